@@ -1,0 +1,112 @@
+"""Public API, FLA- and FlashQLA-compatible: validation, autograd and the choice of path.
+
+``chunk_gated_delta_rule`` is the entry point for prefill and training.  It
+validates, then runs :class:`ChunkGatedDeltaRule`, whose forward and backward
+are the low-level :func:`chunk_gated_delta_rule_fwd` /
+:func:`chunk_gated_delta_rule_bwd`.  Those two are the only places that choose
+an implementation, so a new kernel is a local change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .validation import check_inputs, check_kwargs
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Forward on validated inputs: ``(o, final_state or None)``."""
+    return reference.chunked_gated_delta_rule(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+    )
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the forward for output grads ``do`` and ``dht``.
+
+    ``dht`` (the final state's gradient) and ``initial_state`` may be None; ``dh0``
+    is None when ``initial_state`` is.  Today this recomputes the chunked
+    reference under autograd.
+    """
+    inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+    h0 = None if initial_state is None else initial_state.detach().requires_grad_()
+    with torch.enable_grad():
+        o, ht = reference.chunked_gated_delta_rule(
+            *inputs, scale, h0, dht is not None, use_qk_l2norm_in_kernel, cu_seqlens
+        )
+        outputs, grads = [o], [do]
+        if dht is not None:
+            outputs.append(ht)
+            grads.append(dht)
+        wrt = inputs + ([h0] if h0 is not None else [])
+        dx = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+    dx = [torch.zeros_like(x) if d is None else d for x, d in zip(wrt, dx)]
+    return (*dx[:5], dx[5] if h0 is not None else None)
+
+
+class ChunkGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel, cu_seqlens):
+        o, final_state = chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+        )
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale, ctx.use_qk_l2norm_in_kernel = scale, use_qk_l2norm_in_kernel
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+            q, k, v, g, beta, ctx.scale, initial_state, do, dht, ctx.use_qk_l2norm_in_kernel, cu_seqlens
+        )
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+
+
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
+):
+    """Gated delta rule over whole sequences (prefill, training), chunked.
+
+    Args:
+        q, k: ``[B, T, Hqk, K]``, bf16 / fp16 / fp32 (fp64 for checking on the reference path).
+        v: ``[B, T, Hv, V]``, same dtype; ``Hv % Hqk == 0`` (value head h reads q/k head h // (Hv / Hqk)).
+        g: ``[B, T, Hv]`` log decay (<= 0; not checked), any float dtype, used in fp32.
+        beta: ``[B, T, Hv]``, any float dtype, used in fp32.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` with N = B, or the number of sequences in ``cu_seqlens``.
+        output_final_state: also return the state after each sequence, ``[N, Hv, K, V]`` fp32.
+        use_qk_l2norm_in_kernel: l2-normalise q and k (``x / sqrt(sum(x^2) + 1e-6)``) first.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1).
+        **kwargs: ``head_first=False`` and the pass-through names in
+            ``validation.IGNORED_KWARGS`` (e.g. Transformers' ``cu_seq_lens_q``) are
+            accepted and ignored; anything else is a TypeError.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, Hv, V]`` in v's dtype; ``final_state`` or None.
+    """
+    check_kwargs(kwargs)
+    check_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return ChunkGatedDeltaRule.apply(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+    )
+
+
+def fused_recurrent_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
+):
+    """Token-by-token form for decoding a few tokens from a state; arguments as :func:`chunk_gated_delta_rule`.
+
+    Runs the fp32 recurrence in PyTorch on any device and is differentiable by autograd.
+    """
+    check_kwargs(kwargs)
+    check_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return reference.recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+    )

@@ -1,0 +1,168 @@
+"""The gated delta rule in plain PyTorch: the specification every kernel is held to.
+
+Two forms of one operator (DESIGN.md sections 1 and 2), per sequence and value head:
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T (scale q_t)
+
+* :func:`recurrent_gated_delta_rule` walks token by token.  In float64 it is the
+  ground truth for every test, and it is differentiable by autograd.  In float32
+  it is the decoding path (a few tokens from a state).
+* :func:`chunked_gated_delta_rule` is the chunked form with chunk 64: all chunks
+  of all sequences are solved at once, and only the state is carried through a
+  short loop over chunk positions.  It is the CPU path, and with autograd on it
+  is also the reference backward.
+
+Both take validated inputs in the public layout (``q, k [B, T, Hqk, K]``,
+``v [B, T, Hv, V]``, ``g, beta [B, T, Hv]``, packed varlen when ``cu_seqlens``
+is given with ``B == 1``) and return ``(o, final_state)`` with ``o`` in v's dtype
+and the state ``[N, Hv, K, V]`` in the compute dtype (float32, or float64 for
+float64 inputs), or ``None`` when it is not asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64
+L2NORM_EPS = 1e-6
+
+
+def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
+    """float64 inputs are computed in float64 (the reference); everything else in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim, as ``use_qk_l2norm_in_kernel`` defines it."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def sequence_bounds(batch: int, length: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every sequence: rows of a dense batch, or spans of the packed row 0."""
+    if cu_seqlens is None:
+        return [(b, 0, length) for b in range(batch)]
+    bounds = cu_seqlens.tolist()
+    return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype):
+    """Cast to the compute dtype, l2-normalise q/k if asked, expand q/k heads to the value heads."""
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    group = v.shape[2] // q.shape[2]
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return q * scale, k, v, g, beta
+
+
+def _initial(initial_state, n, hv, kdim, vdim, dtype, device):
+    if initial_state is None:
+        return torch.zeros(n, hv, kdim, vdim, dtype=dtype, device=device)
+    return initial_state.to(dtype)
+
+
+def recurrent_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, compute_dtype=None,
+):
+    """Token-by-token recurrence. ``compute_dtype`` defaults to :func:`compute_dtype_for` of q."""
+    dtype = compute_dtype or compute_dtype_for(q)
+    out_dtype = v.dtype
+    batch, length, hv, vdim = v.shape
+    kdim = k.shape[-1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype)
+    seqs = sequence_bounds(batch, length, cu_seqlens)
+    state0 = _initial(initial_state, len(seqs), hv, kdim, vdim, dtype, v.device)
+
+    o = torch.zeros(batch, length, hv, vdim, dtype=dtype, device=v.device)
+    finals = []
+    for n, (row, start, end) in enumerate(seqs):
+        s = state0[n]  # [Hv, K, V]
+        outs = []
+        for t in range(start, end):
+            s = s * g[row, t].exp()[:, None, None]
+            u = beta[row, t][:, None] * (v[row, t] - torch.einsum("hkv,hk->hv", s, k[row, t]))
+            s = s + k[row, t][:, :, None] * u[:, None, :]
+            outs.append(torch.einsum("hkv,hk->hv", s, q[row, t]))
+        if outs:
+            span = (torch.tensor([row], device=v.device), torch.arange(start, end, device=v.device))
+            o = o.index_put(span, torch.stack(outs))
+        finals.append(s)
+    final = torch.stack(finals) if output_final_state else None
+    return o.to(out_dtype), final
+
+
+def _chunk_table(seqs, device):
+    """Token index of every chunk row (``-1`` past a sequence's end), and each chunk's (sequence, position)."""
+    rows, seq_of_chunk, pos_of_chunk = [], [], []
+    offs = torch.arange(CHUNK)
+    for n, (_, start, end) in enumerate(seqs):
+        for p, c0 in enumerate(range(start, end, CHUNK)):
+            idx = c0 + offs
+            rows.append(torch.where(idx < end, idx, -1))
+            seq_of_chunk.append(n)
+            pos_of_chunk.append(p)
+    if not rows:
+        return (torch.empty(0, CHUNK, dtype=torch.long, device=device),
+                torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+    return torch.stack(rows).to(device), torch.tensor(seq_of_chunk), torch.tensor(pos_of_chunk)
+
+
+def chunked_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+):
+    """Chunked form (DESIGN.md section 2), vectorised over chunks, sequences and heads."""
+    dtype = compute_dtype_for(q)
+    out_dtype = v.dtype
+    batch, length, hv, vdim = v.shape
+    kdim = k.shape[-1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype)
+    seqs = sequence_bounds(batch, length, cu_seqlens)
+    state = _initial(initial_state, len(seqs), hv, kdim, vdim, dtype, v.device)
+
+    # Gather every chunk as a padded [chunks, Hv, 64, .] block; padded rows read an appended
+    # zero token, so they carry k = v = beta = g = 0 and contribute nothing.
+    flat = lambda x: torch.cat([x.reshape(batch * length, *x.shape[2:]), x.new_zeros(1, *x.shape[2:])])
+    rows, seq_of_chunk, pos_of_chunk = _chunk_table(seqs, v.device)
+    token = torch.tensor([row * length for row, _, _ in seqs], dtype=torch.long, device=v.device)
+    token = torch.where(rows >= 0, rows + token[seq_of_chunk.to(v.device)][:, None], batch * length)
+    gather = lambda x: flat(x)[token].transpose(1, 2)  # [C, Hv, 64, ...]
+    qc, kc, vc, gc, bc = (gather(x) for x in (q, k, v, g, beta))
+
+    gamma = gc.cumsum(-1)  # chunk-local log decay, <= 0 and non-increasing
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=v.device).tril()
+    # E[r, j] = exp(gamma_r - gamma_j) for j <= r: every exponent is <= 0, no overflow.
+    decay = torch.where(causal, gamma[..., :, None] - gamma[..., None, :], -torch.inf).exp()
+    # The solve carries no gate: A0 = (I + M)^-1 with M = strict_lower(diag(beta) K K^T).
+    gram = kc @ kc.transpose(-1, -2)
+    eye = torch.eye(CHUNK, dtype=dtype, device=v.device)
+    m = (bc[..., :, None] * gram).tril(-1)
+    a0 = torch.linalg.solve_triangular(eye + m, eye.expand_as(m), upper=False, unitriangular=True)
+    gated = a0 * decay * bc[..., None, :]  # (A0 o E) diag(beta)
+    u_free = gated @ vc  # the corrected values when the entering state is zero
+    w = gated @ (gamma.exp()[..., None] * kc)  # how the entering state is subtracted
+    attn = (qc @ kc.transpose(-1, -2)) * decay
+    q_gated = gamma.exp()[..., None] * qc
+    tail = (gamma[..., -1:] - gamma).exp()[..., None] * kc  # decay from each row to the chunk's end
+    last = gamma[..., -1].exp()[..., None, None]
+
+    out = torch.zeros_like(vc)
+    n_pos = int(pos_of_chunk.max()) + 1 if len(pos_of_chunk) else 0
+    for p in range(n_pos):
+        ids = (pos_of_chunk == p).nonzero().squeeze(1)
+        seq = seq_of_chunk[ids]
+        ids, seq = ids.to(v.device), seq.to(v.device)
+        s = state[seq]
+        u = u_free[ids] - w[ids] @ s
+        out = out.index_put((ids,), q_gated[ids] @ s + attn[ids] @ u)
+        state = state.index_put((seq,), last[ids] * s + tail[ids].transpose(-1, -2) @ u)
+
+    o = torch.zeros(batch * length + 1, hv, vdim, dtype=dtype, device=v.device)
+    o = o.index_put((token.reshape(-1),), out.transpose(1, 2).reshape(-1, hv, vdim))
+    o = o[:-1].reshape(batch, length, hv, vdim)
+    return o.to(out_dtype), (state if output_final_state else None)

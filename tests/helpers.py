@@ -1,0 +1,36 @@
+"""Random problems and error measures shared by the tests."""
+
+import torch
+import torch.nn.functional as F
+
+
+def rel_rms(x, ref):
+    """``||x - ref|| / ||ref||`` in float64; NaN anywhere fails any threshold."""
+    x, ref = x.double(), ref.double()
+    err = (x - ref).norm() / ref.norm().clamp_min(1e-30)
+    return float("inf") if torch.isnan(x).any() else err.item()
+
+
+def make_inputs(batch=1, length=130, hqk=2, hv=4, kdim=32, vdim=32, dtype=torch.float64,
+                device="cpu", decay="normal", key_scale=1.0, seqs=None, initial_state=False, seed=0):
+    """Fresh inputs for one call; ``seqs`` (lengths) makes a packed varlen batch with B == 1."""
+    gen = torch.Generator().manual_seed(seed)
+    if seqs is not None:
+        batch, length = 1, sum(seqs)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    q = rnd(batch, length, hqk, kdim)
+    k = rnd(batch, length, hqk, kdim) * key_scale
+    v = rnd(batch, length, hv, vdim)
+    g = {"normal": F.logsigmoid(rnd(batch, length, hv)) / 4,
+         "none": torch.zeros(batch, length, hv, dtype=torch.float64),
+         "strong": -5 - 15 * torch.rand(batch, length, hv, generator=gen, dtype=torch.float64)}[decay]
+    beta = torch.rand(batch, length, hv, generator=gen, dtype=torch.float64)
+    out = dict(q=q, k=k, v=v, g=g, beta=beta)
+    out = {n: x.to(dtype if n in "qkv" else torch.float32 if dtype != torch.float64 else dtype) for n, x in out.items()}
+    n_state = batch
+    if seqs is not None:
+        out["cu_seqlens"] = torch.tensor([0] + list(torch.tensor(seqs).cumsum(0)), dtype=torch.int32)
+        n_state = len(seqs)
+    if initial_state:
+        out["initial_state"] = rnd(n_state, hv, kdim, vdim).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return {n: x.to(device) for n, x in out.items()}

@@ -1,0 +1,150 @@
+"""The public API on the CPU path: results, gradients, dtypes, layouts and every validation error."""
+
+import inspect
+
+import pytest
+import torch
+
+import flash_qla_tl as fq
+from flash_qla_tl import reference
+from helpers import make_inputs, rel_rms
+
+
+def test_signature_is_fla_compatible():
+    assert str(inspect.signature(fq.chunk_gated_delta_rule)) == (
+        "(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs)"
+    )
+    assert inspect.signature(fq.fused_recurrent_gated_delta_rule) == inspect.signature(fq.chunk_gated_delta_rule)
+
+
+@pytest.mark.parametrize("fn", [fq.chunk_gated_delta_rule, fq.fused_recurrent_gated_delta_rule])
+def test_api_matches_float64_reference(fn):
+    x = make_inputs(seqs=[3, 67, 0, 1, 20], hqk=1, hv=3, initial_state=True, dtype=torch.float32)
+    o, s = fn(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+    o_ref, s_ref = reference.recurrent_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel_rms(o, o_ref) < 1e-5 and rel_rms(s, s_ref) < 1e-5
+
+
+def test_final_state_is_none_unless_asked():
+    x = make_inputs(length=10, dtype=torch.float32)
+    assert fq.chunk_gated_delta_rule(**x)[1] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    x = make_inputs(batch=2, length=100, dtype=dtype, initial_state=True)
+    o, s = fq.chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref = {n: t.double() for n, t in x.items()}
+    o_ref, s_ref = reference.recurrent_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    assert rel_rms(o, o_ref) < 5e-3 and rel_rms(s, s_ref) < 5e-3
+
+
+def test_non_contiguous_inputs_give_the_same_result():
+    x = make_inputs(batch=2, length=90, hqk=2, hv=4, dtype=torch.float32, initial_state=True)
+    strided = {
+        # q, k, v as views into [B, H, T, D] storage; g and beta as every other element
+        n: (t.transpose(1, 2).contiguous().transpose(1, 2) if n in "qkv"
+            else torch.stack([t, t], -1)[..., 0] if n in ("g", "beta") else t)
+        for n, t in x.items()
+    }
+    assert not any(strided[n].is_contiguous() for n in ("q", "k", "v", "g", "beta"))
+    o, s = fq.chunk_gated_delta_rule(**x, output_final_state=True)
+    o2, s2 = fq.chunk_gated_delta_rule(**strided, output_final_state=True)
+    torch.testing.assert_close(o2, o)
+    torch.testing.assert_close(s2, s)
+
+
+def test_gradcheck_through_public_api():
+    x = make_inputs(seqs=[2, 0, 4], hqk=1, hv=2, kdim=3, vdim=2, initial_state=True)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    args = [x[n].requires_grad_() for n in names]
+
+    def f(q, k, v, g, beta, h0):
+        return fq.chunk_gated_delta_rule(q, k, v, g, beta, scale=0.8, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"])
+
+    assert torch.autograd.gradcheck(f, args)
+
+
+def test_gradients_over_chunk_boundaries_match_the_recurrence():
+    x = make_inputs(seqs=[130, 1, 70], hqk=1, hv=2, kdim=16, vdim=8, initial_state=True)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    w_o, w_s = torch.randn(201, 2, 8, dtype=torch.float64), torch.randn(3, 2, 16, 8, dtype=torch.float64)
+
+    def grads(fn):
+        args = {n: x[n].clone().requires_grad_() for n in names}
+        o, s = fn(**args, cu_seqlens=x["cu_seqlens"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        ((o[0] * w_o).sum() + (s * w_s).sum()).backward()
+        return [args[n].grad for n in names]
+
+    for got, want in zip(grads(fq.chunk_gated_delta_rule), grads(reference.recurrent_gated_delta_rule)):
+        assert rel_rms(got, want) < 1e-9
+
+
+def test_transformers_kwargs_are_accepted():
+    x = make_inputs(seqs=[4, 6], dtype=torch.float32)
+    o, _ = fq.chunk_gated_delta_rule(**x, cu_seq_lens_q=x["cu_seqlens"], max_length_q=6, chunk_size=64,
+                                     head_first=False)
+    assert o.shape == (1, 10, 4, 32)
+
+
+def _call(**change):
+    x = make_inputs(batch=1, length=8, dtype=torch.float32)
+    x.update(change)
+    return fq.chunk_gated_delta_rule(**x)
+
+
+BAD = [
+    (dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
+    (dict(q=torch.zeros(8, 2, 32)), ValueError, "q must have 4 dims"),
+    (dict(k=torch.zeros(1, 8, 2, 16)), ValueError, "k must have the shape of q"),
+    (dict(v=torch.zeros(1, 9, 4, 32)), ValueError, "v must be"),
+    (dict(g=torch.zeros(1, 8, 3)), ValueError, "g must have shape"),
+    (dict(beta=torch.zeros(1, 8)), ValueError, "beta must have 3 dims"),
+    (dict(v=torch.zeros(1, 8, 3, 32), g=torch.zeros(1, 8, 3), beta=torch.zeros(1, 8, 3)), ValueError, "multiple"),
+    (dict(q=torch.zeros(1, 8, 2, 32, dtype=torch.int32)), TypeError, "q must have"),
+    (dict(v=torch.zeros(1, 8, 4, 32, dtype=torch.float16)), TypeError, "share one dtype"),
+    (dict(g=torch.zeros(1, 8, 4, dtype=torch.int64)), TypeError, "g must have a floating dtype"),
+    (dict(beta=torch.zeros(1, 8, 4, dtype=torch.bool)), TypeError, "beta must have a floating dtype"),
+    (dict(scale="1"), TypeError, "scale"),
+    (dict(scale=float("nan")), TypeError, "scale"),
+    (dict(output_final_state=None), TypeError, "output_final_state must be a bool"),
+    (dict(use_qk_l2norm_in_kernel=1), TypeError, "use_qk_l2norm_in_kernel must be a bool"),
+    (dict(cu_seqlens=torch.tensor([0.0, 8.0])), TypeError, "cu_seqlens must be int32 or int64"),
+    (dict(cu_seqlens=torch.tensor([[0, 8]])), ValueError, "cu_seqlens must have 1 dims"),
+    (dict(cu_seqlens=torch.tensor([0])), ValueError, "N \\+ 1 >= 2"),
+    (dict(cu_seqlens=torch.tensor([1, 8])), ValueError, "start at 0"),
+    (dict(cu_seqlens=torch.tensor([0, 7])), ValueError, "end at T = 8"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError, "non-decreasing"),
+    (dict(initial_state=torch.zeros(2, 4, 32, 32)), ValueError, "initial_state must have shape"),
+    (dict(initial_state=torch.zeros(1, 4, 32, 32, dtype=torch.int32)), TypeError, "initial_state must have"),
+    (dict(bogus=1), TypeError, "unexpected keyword argument.*bogus"),
+    (dict(head_first=True), ValueError, "head_first"),
+]
+
+
+@pytest.mark.parametrize("change,error,message", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_is_named(change, error, message):
+    with pytest.raises(error, match=message):
+        _call(**change)
+
+
+def test_varlen_needs_a_packed_batch():
+    x = make_inputs(batch=2, length=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="B == 1"):
+        fq.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 8]))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a second device type")
+def test_mixed_devices_are_rejected():
+    with pytest.raises(ValueError, match="one device"):
+        _call(g=torch.zeros(1, 8, 4, device="cuda"))
+
+
+def test_mixed_devices_are_rejected_on_cpu_too():
+    with pytest.raises(ValueError, match="one device"):
+        _call(g=torch.zeros(1, 8, 4, device="meta"))
