@@ -1,6 +1,7 @@
 """flash-qla: Gated DeltaNet (gated delta rule) kernels for NVIDIA Hopper, written in TileLang."""
 
 from .api import (
+    forward_backend,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_bwd,
     chunk_gated_delta_rule_fwd,
@@ -14,4 +15,5 @@ __all__ = [
     "chunk_gated_delta_rule_fwd",
     "chunk_gated_delta_rule_bwd",
     "fused_recurrent_gated_delta_rule",
+    "forward_backend",
 ]

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import hopper_forward, reference
 from .validation import check_inputs, check_kwargs
+
+
+def forward_backend(q, k, v) -> str:
+    """``"hopper"`` when the TileLang kernels run the forward for such inputs, else ``"reference"``.
+
+    The kernels cover CUDA tensors on sm_90 with bf16/fp16 q/k/v and K = V = 128;
+    everything else runs the chunked PyTorch reference on the inputs' device.
+    """
+    return "hopper" if hopper_forward.unsupported_reason(q, k, v) is None else "reference"
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     """Forward on validated inputs: ``(o, final_state or None)``."""
-    return reference.chunked_gated_delta_rule(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
-    )
+    forward = (hopper_forward.chunk_forward if forward_backend(q, k, v) == "hopper"
+               else reference.chunked_gated_delta_rule)
+    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,

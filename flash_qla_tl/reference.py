@@ -46,23 +46,29 @@ def sequence_bounds(batch: int, length: int, cu_seqlens: torch.Tensor | None) ->
     return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
 
-def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype):
-    """Cast to the compute dtype, l2-normalise q/k if asked, expand q/k heads to the value heads."""
+def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, dtype):
+    """Everything both forms start from, in the compute dtype.
+
+    Returns ``(q * scale, k, v, g, beta, seqs, state)``: q/k l2-normalised if asked
+    and expanded to the value heads, the sequences' ``(row, start, end)`` and
+    their initial states (a copy, never the caller's tensor).
+    """
+    batch, length, hv, vdim = v.shape
+    kdim = k.shape[-1]
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    group = v.shape[2] // q.shape[2]
+    group = hv // q.shape[2]
     if group > 1:
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     if scale is None:
-        scale = q.shape[-1] ** -0.5
-    return q * scale, k, v, g, beta
-
-
-def _initial(initial_state, n, hv, kdim, vdim, dtype, device):
+        scale = kdim ** -0.5
+    seqs = sequence_bounds(batch, length, cu_seqlens)
     if initial_state is None:
-        return torch.zeros(n, hv, kdim, vdim, dtype=dtype, device=device)
-    return initial_state.to(dtype)
+        state = torch.zeros(len(seqs), hv, kdim, vdim, dtype=dtype, device=v.device)
+    else:
+        state = initial_state.to(dtype, copy=True)
+    return q * scale, k, v, g, beta, seqs, state
 
 
 def recurrent_gated_delta_rule(
@@ -73,10 +79,8 @@ def recurrent_gated_delta_rule(
     dtype = compute_dtype or compute_dtype_for(q)
     out_dtype = v.dtype
     batch, length, hv, vdim = v.shape
-    kdim = k.shape[-1]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype)
-    seqs = sequence_bounds(batch, length, cu_seqlens)
-    state0 = _initial(initial_state, len(seqs), hv, kdim, vdim, dtype, v.device)
+    q, k, v, g, beta, seqs, state0 = _prepare(
+        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, dtype)
 
     o = torch.zeros(batch, length, hv, vdim, dtype=dtype, device=v.device)
     finals = []
@@ -120,10 +124,8 @@ def chunked_gated_delta_rule(
     dtype = compute_dtype_for(q)
     out_dtype = v.dtype
     batch, length, hv, vdim = v.shape
-    kdim = k.shape[-1]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, dtype)
-    seqs = sequence_bounds(batch, length, cu_seqlens)
-    state = _initial(initial_state, len(seqs), hv, kdim, vdim, dtype, v.device)
+    q, k, v, g, beta, seqs, state = _prepare(
+        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, dtype)
 
     # Gather every chunk as a padded [chunks, Hv, 64, .] block; padded rows read an appended
     # zero token, so they carry k = v = beta = g = 0 and contribute nothing.

@@ -20,7 +20,7 @@ QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # because the result does not depend on it (chunking is exact).
 IGNORED_KWARGS = frozenset({
     "chunk_size", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-    "position_ids", "seq_idx", "is_causal", "num_items_in_batch",
+    "position_ids", "seq_idx", "is_causal", "num_items_in_batch", "use_cache",
     "output_attentions", "output_hidden_states", "output_router_logits",
 })
 

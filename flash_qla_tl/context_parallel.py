@@ -1,0 +1,68 @@
+"""Intra-card context parallelism for the forward (DESIGN.md section 3).
+
+The state pass is sequential over a sequence's chunks, so a few long sequences
+with few heads leave most SMs idle.  Each long sequence is cut into segments
+that run side by side:
+
+1. every segment runs from a zero state, giving ``h_seg``, and from the identity
+   with zero values, giving its transition ``M_seg`` (the state map is affine:
+   ``S_end = M_seg S_start + h_seg``);
+2. a short scan (``kernels/segment_scan.py``, fp32) gives every segment its true
+   entry state ``S_{i+1} = M_i S_i + h_i`` and every sequence its final state;
+3. all segments run the normal fused pass from their entry states.
+
+This is exact (no decay-based truncation).  It costs three passes instead of
+one, so it is used only when it spreads the work over at least
+``MIN_SEGMENTS`` times more programs.  The plan reads shapes only, never device
+values, so it does not synchronise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CHUNK = 64
+MIN_SEGMENTS = 4  # three passes must buy at least 4x the parallelism
+MIN_SEGMENT_TOKENS = 1024  # shorter segments make the scan dominate
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def segment_length(total_tokens: int, num_seqs: int, num_programs: int, device: torch.device) -> int | None:
+    """Tokens per segment (a multiple of 64) when splitting pays, else None.
+
+    ``num_programs`` is the fused pass's grid size without splitting; sequence
+    lengths are taken as their mean, ``total_tokens / num_seqs``.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    split = min(_num_sms(index) // num_programs, total_tokens // (num_seqs * MIN_SEGMENT_TOKENS))
+    if split < MIN_SEGMENTS:
+        return None
+    mean_length = -(-total_tokens // num_seqs)
+    return -(-mean_length // (split * CHUNK)) * CHUNK
+
+
+def segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int):
+    """Cut every sequence into segments of ``seg_len`` tokens (the last one shorter).
+
+    Returns ``(seg_cu, first_segment, num_segments)``: offsets ``[U + 1]`` int32 of
+    the segments as packed sequences (``U = ceil(T / seg_len) + N`` bounds their
+    count; unused entries are empty segments at the end), and per sequence the
+    index of its first segment and its number of segments.
+    """
+    num_seqs = cu_seqlens.numel() - 1
+    cu = cu_seqlens.to(torch.int64)
+    num_segments = (cu[1:] - cu[:-1] + seg_len - 1) // seg_len
+    first_segment = torch.cumsum(num_segments, 0) - num_segments
+    seg = torch.arange(-(-total_tokens // seg_len) + num_seqs, device=cu.device)
+    seq = torch.searchsorted(first_segment + num_segments, seg, right=True)
+    real = seq < num_seqs
+    seq = seq.clamp(max=num_seqs - 1)
+    start = torch.where(real, cu[seq] + (seg - first_segment[seq]) * seg_len, cu[-1])
+    seg_cu = torch.cat([start, cu[-1:]]).to(torch.int32)
+    return seg_cu, first_segment.to(torch.int32), num_segments.to(torch.int32)

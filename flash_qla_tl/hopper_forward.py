@@ -1,0 +1,142 @@
+"""Launcher for the Hopper forward: layouts in, two TileLang kernels, outputs back.
+
+1. ``chunk_prep`` (all chunks at once): the gate cumsum and the gate-free chunk
+   inverse ``A0 diag(beta)``.
+2. ``chunk_forward`` (one program per sequence, value head and 64-wide value
+   block): the state pass fused with the value correction and the output.
+
+Inputs arrive validated (``validation.check_inputs``); this module only decides
+whether the kernels cover them (:func:`unsupported_reason`) and runs them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import context_parallel, planning
+
+HEAD_DIM = 128
+GAMMA_HEADS_PER_LOAD = 4  # chunk_forward loads the gates of 4 heads per TMA box (16 bytes wide)
+KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _tilelang_importable() -> bool:
+    try:
+        import tilelang  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the Hopper kernels cannot run these inputs, or None when they can."""
+    if not q.is_cuda:
+        return "inputs are not on a CUDA device"
+    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return "the GPU is not sm_90 (Hopper)"
+    if q.dtype not in KERNEL_DTYPES:
+        return f"the kernels take bf16 or fp16 q/k/v, got {q.dtype}"
+    if k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return f"the kernels take K = V = {HEAD_DIM}, got K = {k.shape[-1]}, V = {v.shape[-1]}"
+    if v.shape[2] % GAMMA_HEADS_PER_LOAD:
+        return f"the kernels take a multiple of {GAMMA_HEADS_PER_LOAD} value heads, got Hv = {v.shape[2]}"
+    if not _tilelang_importable():
+        return "tilelang is not installed"
+    return None
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, ...]`` -> contiguous ``[B * T, ...]`` at a 16-byte aligned address (TMA needs both)."""
+    x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """The forward on Hopper; same contract as ``api.chunk_gated_delta_rule_fwd``."""
+    # TileLang is imported only once a kernel is about to run (CPU users never need it).
+    from .kernels.chunk_forward import build_chunk_forward
+    from .kernels.chunk_prep import build_chunk_prep
+    from .kernels.compile import compile_program
+    from .kernels.l2norm import build_l2norm_rows
+    from .kernels.segment_scan import build_segment_scan
+
+    batch, length, hqk, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    if batch * length == 0:
+        o = v.new_zeros(v.shape)
+        ht = (initial_state.float().clone() if initial_state is not None
+              else torch.zeros(num_seqs, hv, kdim, vdim, dtype=torch.float32, device=v.device))
+        return o, (ht if output_final_state else None)
+    dtype = KERNEL_DTYPES[q.dtype]
+    device = q.device
+    q, k, v = _packed(q), _packed(k), _packed(v)
+    if use_qk_l2norm_in_kernel:
+        normalise = compile_program(build_l2norm_rows, kdim, dtype)
+        q, k = _normalised(normalise, q), _normalised(normalise, k)
+    g, beta = _packed(g).float(), _packed(beta).float()
+    total = batch * length
+    if cu_seqlens is None:
+        cu_seqlens = planning.dense_cu_seqlens(batch, length, device)
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    scale = kdim ** -0.5 if scale is None else float(scale)
+
+    gamma = torch.empty(total, hv, dtype=torch.float32, device=device)
+    a = torch.empty(total, hv, 64, dtype=torch.float32, device=device)
+    prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype)
+    prep(k, g, beta, planning.chunk_bounds(cu_seqlens, total), gamma, a)
+
+    def state_pass(values, offsets, h0, store_ht, out):
+        """One fused pass over the sequences ``offsets`` describes; returns their final states."""
+        states = offsets.numel() - 1
+        ht = (torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht
+              else _placeholder_state(hv, kdim, vdim, device))
+        kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht)
+        kernel(q, k, values, gamma, a, offsets, _placeholder_state(hv, kdim, vdim, device) if h0 is None else h0,
+               scale, out, ht)
+        return ht
+
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
+    seg_len = None
+    if kdim == vdim:  # a segment's transition M is K x K: it rides in the V columns of a state
+        seg_len = context_parallel.segment_length(total, num_seqs, (vdim // 64) * hv * num_seqs, device)
+    if seg_len is None:
+        ht = state_pass(v, cu_seqlens, h0, output_final_state, o)
+    else:
+        seg_cu, first_segment, num_segments = context_parallel.segment_table(cu_seqlens, total, seg_len)
+        num_segs = seg_cu.numel() - 1
+        offset = state_pass(v, seg_cu, None, True, o)  # h: from a zero state (o is overwritten below)
+        identity = torch.eye(kdim, device=device).expand(num_segs, hv, kdim, kdim).contiguous()
+        transition = state_pass(torch.zeros_like(v), seg_cu, identity, True, o)  # M: from I, no values
+        initial = h0 if h0 is not None else torch.zeros(num_seqs, hv, kdim, vdim, device=device)
+        entry, ht = torch.empty_like(offset), torch.empty_like(initial)
+        scan = compile_program(build_segment_scan, hv, kdim, vdim)
+        scan(transition, offset, initial, first_segment, num_segments, entry, ht)
+        state_pass(v, seg_cu, entry, False, o)
+    if torch.cuda.is_current_stream_capturing():
+        # Offsets were not checked on the host: keep tokens past cu_seqlens[-1] defined.
+        o.masked_fill_((torch.arange(total, device=device) >= cu_seqlens[-1])[:, None, None], 0)
+    return o.view(batch, length, hv, vdim), (ht if output_final_state else None)
+
+
+def _normalised(kernel, x: torch.Tensor) -> torch.Tensor:
+    """``x / |x|`` per row (fp32 math, one rounding), as the kernels' operand dtype."""
+    y = torch.empty_like(x)
+    kernel(x.view(-1, x.shape[-1]), y.view(-1, x.shape[-1]))
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder_state(hv, kdim, vdim, device):
+    """A one-sequence state for a kernel built without that state argument's use."""
+    return torch.zeros(1, hv, kdim, vdim, dtype=torch.float32, device=device)

@@ -1,0 +1,195 @@
+"""Per-chunk preparation for the chunked gated delta rule: gate prefix sums and the WY inverse.
+
+For one chunk of ``n <= C`` tokens (first token ``s``) and one value head:
+
+* ``gamma_r = log2(e) * sum_{j <= r} g_j``: the chunk-local log decay, in base 2
+  so that every later gate is a single ``exp2``.
+* ``A = A0 diag(beta)`` with ``A0 = (I + M)^-1``, ``M = strictly_lower(diag(beta) K K^T)``.
+  ``M`` carries no gate: the gated inverse is ``A0 (.) E`` (DESIGN.md section 2),
+  so the forward kernel applies the decay later with the mask it builds anyway.
+
+``I + M`` is unit lower triangular, so ``A0`` needs no division.  It is inverted
+by 16 x 16 blocks, all in fp32 CUDA-core arithmetic: the four diagonal blocks
+``X_ii = (I + M_ii)^-1`` by forward substitution (one thread per column, 120
+FMAs), then the blocks below the diagonal level by level (``i - j = 1, 2, 3``),
+``X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj``, one warp per block with 4 x 2
+register micro-tiles.  There is no power series and no assumption on the size of
+``M``, so keys need not be normalised and beta may reach 2; the rounding error is
+that of fp32 forward substitution (same class, checked against float64).  Only
+the Gram matrix goes through the tensor cores (``dtype`` operands, whose products
+are exact in fp32, with fp32 accumulation).
+
+Tokens past ``n`` belong to another chunk or lie beyond the tensor: they are
+loaded as ``k = 0``, ``beta = 0``, ``g = 0``.  Their rows of ``M`` then vanish and
+their columns of ``A`` are ``A0[:, j] * 0 = 0``, which is exactly what the
+contract asks for columns ``j >= n``; their rows are never stored.
+"""
+
+# No ``from __future__ import annotations``: TileLang evaluates the ``T.Tensor``
+# annotations of the prim_func, and they name the factory's local symbols.
+import math
+
+import tilelang.language as T
+
+LOG2_E = math.log2(math.e)
+
+
+def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str, chunk: int = 64):
+    """Build the ``chunk_prep`` PrimFunc (contract: notes/kernel-interfaces.md).
+
+    Grid ``(U, Hv)``: one program per (chunk, value head).  ``T`` (tokens) and ``U``
+    (chunks) are symbolic, so one binary serves every length.
+    """
+    if num_v_heads % num_qk_heads != 0:
+        raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_qk_heads ({num_qk_heads})")
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"dtype must be bfloat16 or float16, got {dtype!r}")
+    if chunk != 64:
+        raise ValueError("the forward kernels are written for chunk = 64")
+    if head_dim % 16 != 0:
+        raise ValueError(f"head_dim must be a multiple of 16 (one wgmma k-step), got {head_dim}")
+    v_heads_per_qk_head = num_v_heads // num_qk_heads
+    C = chunk
+    B = 16  # block size of the blocked inverse
+    # One warpgroup, because the Gram matrix is a single 64 x 64 wgmma tile.
+    threads = 128
+    accum = "float32"
+
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.macro
+    def invert_diagonal_blocks(M, X, x, thread):
+        """``X_bb <- (I + M_bb)^-1`` for the four 16 x 16 diagonal blocks (threads 0..63).
+
+        Thread ``t`` solves column ``c = t % 16`` of block ``b = t // 16`` by forward
+        substitution, ``x_r = [r == c] - sum_{j < r} M_bb[r, j] x_j`` (120 fp32 FMAs);
+        rows above ``c`` come out as exact zeros and are stored too.
+        """
+        b = thread // B
+        c = thread % B
+        for r in T.unroll(B):
+            x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+            for j in T.unroll(r):
+                x[r] -= M[b * B + r, b * B + j] * x[j]
+        for r in T.unroll(B):
+            X[b * B + r, b * B + c] = x[r]
+
+    @T.macro
+    def block_sums(M, X, P, acc, thread, level):
+        """``P_p = sum_{k=j}^{i-1} M_ik X_kj`` for the pairs ``(i, j) = (level + p, p)``.
+
+        32 threads (one warp) per pair, each a 4 x 2 micro-tile; the k range has the
+        constant length ``16 * level`` because ``i - j == level``.
+        """
+        p = thread // 32
+        lane = thread % 32
+        r0 = (level + p) * B + (lane // 8) * 4
+        c0 = p * B + (lane % 8) * 2
+        for a in T.unroll(8):
+            acc[a] = T.float32(0)
+        for kk in T.unroll(B * level):
+            for a in T.unroll(4):
+                for e in T.unroll(2):
+                    acc[a * 2 + e] += M[r0 + a, p * B + kk] * X[p * B + kk, c0 + e]
+        for a in T.unroll(4):
+            for e in T.unroll(2):
+                P[p * B + (lane // 8) * 4 + a, (lane % 8) * 2 + e] = acc[a * 2 + e]
+
+    @T.macro
+    def block_products(X, P, acc, thread, level):
+        """``X_ij <- -X_ii P_p`` for the same pairs and micro-tiles (``X_ii`` lower triangular)."""
+        p = thread // 32
+        lane = thread % 32
+        i = level + p
+        r0 = i * B + (lane // 8) * 4
+        c0 = p * B + (lane % 8) * 2
+        for a in T.unroll(8):
+            acc[a] = T.float32(0)
+        for kk in T.unroll(B):
+            for a in T.unroll(4):
+                for e in T.unroll(2):
+                    acc[a * 2 + e] -= X[r0 + a, i * B + kk] * P[p * B + kk, (lane % 8) * 2 + e]
+        for a in T.unroll(4):
+            for e in T.unroll(2):
+                X[r0 + a, c0 + e] = acc[a * 2 + e]
+
+    @T.macro
+    def off_diagonal_level(M, X, P, acc, thread, level):
+        """All blocks ``X_ij`` with ``i - j == level``: ``4 - level`` pairs, one warp each."""
+        if thread < 32 * (C // B - level):
+            block_sums(M, X, P, acc, thread, level)
+        T.sync_threads()
+        if thread < 32 * (C // B - level):
+            block_products(X, P, acc, thread, level)
+        T.sync_threads()
+
+    @T.prim_func
+    def chunk_prep(
+        k: T.Tensor([num_tokens, num_qk_heads, head_dim], dtype),
+        g: T.Tensor([num_tokens, num_v_heads], "float32"),
+        beta: T.Tensor([num_tokens, num_v_heads], "float32"),
+        chunk_bounds: T.Tensor([num_chunks, 2], "int32"),
+        gamma: T.Tensor([num_tokens, num_v_heads], "float32"),
+        A: T.Tensor([num_tokens, num_v_heads, C], "float32"),
+    ):
+        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+            # ~80 registers and ~36 KB of shared memory: 6 blocks fit on an SM; more
+            # blocks in flight hide the k loads, A stores and short solves of the others.
+            T.annotate_min_blocks_per_sm(6)
+            k_tile = T.alloc_shared([C, head_dim], dtype)
+            beta_tile = T.alloc_shared([C], accum)
+            g_tile = T.alloc_shared([C], accum)
+            gamma_tile = T.alloc_shared([C], accum)
+            gram = T.alloc_fragment([C, C], accum)
+            # diag(beta) K K^T; its strictly lower part is M, the rest is never read.
+            M = T.alloc_shared([C, C], accum)
+            # A0 = (I + M)^-1, block lower triangular; blocks above the diagonal are never written.
+            X = T.alloc_shared([C, C], accum)
+            # One 16 x 16 block of sums per pair of a level (at most 3 pairs).
+            P = T.alloc_shared([3 * B, B], accum)
+            x = T.alloc_local([B], accum)
+            acc = T.alloc_local([8], accum)
+
+            s = chunk_bounds[chunk_id, 0]
+            n = chunk_bounds[chunk_id, 1] - s
+            qk_head = head // v_heads_per_qk_head
+            thread = T.get_thread_binding()
+
+            if n > 0:  # n == 0 is a padding entry of the chunk table: nothing to do
+                # Rows r >= n are other chunks' tokens (or past the end of the tensor).
+                for r, d in T.Parallel(C, head_dim):
+                    k_tile[r, d] = T.if_then_else(r < n, k[s + r, qk_head, d], T.cast(0, dtype))
+                for r in T.Parallel(C):
+                    beta_tile[r] = T.if_then_else(r < n, beta[s + r, head], T.float32(0))
+                    g_tile[r] = T.if_then_else(r < n, g[s + r, head], T.float32(0))
+
+                # Sum in natural log, then change base once: gamma_r = log2(e) * sum_{j<=r} g_j.
+                T.cumsum(src=g_tile, dst=gamma_tile, dim=0)
+                for r in T.Parallel(C):
+                    if r < n:
+                        gamma[s + r, head] = gamma_tile[r] * LOG2_E
+
+                T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
+                for r, j in T.Parallel(C, C):
+                    M[r, j] = beta_tile[r] * gram[r, j]
+                T.sync_threads()
+
+                # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
+                # X_ii = (I + M_ii)^-1, then level by level (i - j = 1, 2, 3)
+                # X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj.  All fp32 CUDA-core FMAs.
+                if thread < C:
+                    invert_diagonal_blocks(M, X, x, thread)
+                T.sync_threads()
+                # Written out per level so that every k loop has a constant length.
+                off_diagonal_level(M, X, P, acc, thread, 1)
+                off_diagonal_level(M, X, P, acc, thread, 2)
+                off_diagonal_level(M, X, P, acc, thread, 3)
+
+                # A[s + r, head, j] = A0[r, j] * beta_j: zero above the block diagonal
+                # (never written: a select, so stale shared memory cannot leak in).
+                for r, j in T.Parallel(C, C):
+                    if r < n:
+                        A[s + r, head, j] = T.if_then_else(j // B <= r // B, X[r, j] * beta_tile[j], T.float32(0))
+
+    return chunk_prep

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on a lent Hopper GPU: GPU tests, then benchmarks; full logs under $OUT.
+#   bash scripts/device_run.sh [tests|quick|full|cold ...]     (default: tests quick)
+# Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf) and optionally a
+# TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
+# (xz: the cache's shared objects would not fit the 64 MiB a device call carries).
+set -uo pipefail
+source .gpu/setup.sh || exit 1
+if [ -f .gpu/tlcache.tar.xz ]; then
+  mkdir -p /tmp/tlc && tar -C /tmp/tlc -xJf .gpu/tlcache.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlc
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then  # extra wheels the image lacks (kernels' CLI needs cryptography)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
+steps=${*:-tests quick}
+for step in $steps; do
+  echo "=== $step"
+  case $step in
+    smoke) timeout 240 python -m pytest -m gpu -q -x tests/test_hopper_forward.py -k "prep or one_chunk" 2>&1 \
+             | tail -30 || exit 1 ;;
+    cp)    timeout 300 python -m pytest -m gpu -q -s -rf tests -k "context_parallel or segment_scan or long_sequence or training_step" 2>&1 \
+             | grep -v "DEBUG\|INFO" | tail -25 ;;
+    tests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests 2>&1 \
+             | tee "$OUT/gpu-tests.log" | tail -40 ;;
+    quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
+    full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
+             | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
+    cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
+    profile)
+      for cfg in "16x32 4096x8" "2x8 32768x1"; do
+        set -- $cfg
+        python benchmarks/profile_forward.py --heads "$1" --lengths "$2" 2>&1 | grep -v INFO | tee -a "$OUT/profile.log" | tail -22
+      done ;;
+    ncu)
+      ncu --clock-control none -k regex:chunk_forward --launch-count 1 --launch-skip 3 \
+        --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+        python benchmarks/profile_forward.py --heads 16x32 --lengths 4096x8 > "$OUT/ncu.log" 2>&1
+      grep -v "^==PROF==\|INFO" "$OUT/ncu.log" | grep -A80 "chunk_forward" | head -90 ;;
+  esac
+done

@@ -1,0 +1,194 @@
+"""The Hopper forward against the float64 reference (DESIGN.md section 5: o, state <= 5e-3).
+
+Every test asserts that the kernels, not the reference, ran (``forward_backend``).
+Run on the device with ``python -m pytest -m gpu tests``.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_qla_tl as fq
+from flash_qla_tl import planning, reference
+from helpers import make_inputs, rel_rms
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="needs an sm_90 GPU"),
+]
+
+TOL = 5e-3
+D = 128
+
+
+def _inputs(dtype=torch.bfloat16, **kw):
+    kw.setdefault("key_scale", D ** -0.5)  # |k| near 1 but not normalised
+    kw.setdefault("hqk", 2)
+    kw.setdefault("hv", 8)
+    return make_inputs(kdim=D, vdim=D, dtype=dtype, device="cuda", **kw)
+
+
+def _check(x, l2norm=False, scale=None, output_final_state=True):
+    assert fq.forward_backend(x["q"], x["k"], x["v"]) == "hopper"
+    o, s = fq.chunk_gated_delta_rule(**x, scale=scale, output_final_state=output_final_state,
+                                     use_qk_l2norm_in_kernel=l2norm)
+    ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+    o_ref, s_ref = reference.chunked_gated_delta_rule(**ref, scale=scale, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=l2norm)
+    assert o.dtype == x["v"].dtype and o.shape == x["v"].shape
+    errors = {"o": rel_rms(o, o_ref)}
+    if output_final_state:
+        assert s.dtype == torch.float32
+        errors["state"] = rel_rms(s, s_ref)
+    else:
+        assert s is None
+    assert all(e <= TOL for e in errors.values()), errors
+    return errors
+
+
+# Most cases use the smallest Qwen3.5 head config (2 q/k heads, 8 value heads: groups of 4).
+CASES = {
+    "dense, T not a multiple of 64": dict(batch=2, length=1000),
+    "varlen with empty and length-1 sequences": dict(seqs=[0, 1, 64, 0, 65, 7, 1, 300]),
+    "initial state, varlen": dict(seqs=[33, 640, 5, 129], initial_state=True),
+    "strong decay": dict(length=700, decay="strong", initial_state=True),
+    "no decay": dict(length=700, decay="none", initial_state=True),
+    "single token": dict(length=1, initial_state=True),
+    "one chunk exactly": dict(length=64),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_awkward_cases(case, l2norm):
+    _check(_inputs(**CASES[case]), l2norm=l2norm)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtypes_and_custom_scale(dtype):
+    _check(_inputs(dtype, seqs=[100, 357], initial_state=True), scale=0.05)
+
+
+def test_keys_not_normalised_without_l2norm():
+    _check(_inputs(length=500, key_scale=1.5 * D ** -0.5, initial_state=True))
+
+
+def test_no_final_state_and_no_initial_state():
+    _check(_inputs(length=300), output_final_state=False)
+
+
+def test_non_contiguous_inputs():
+    x = _inputs(batch=2, length=200, initial_state=True)
+    x = {n: t.transpose(1, 2).contiguous().transpose(1, 2) if n in "qkv" else t for n, t in x.items()}
+    assert not x["q"].is_contiguous()
+    _check(x, l2norm=True)
+
+
+@pytest.mark.parametrize("hqk,hv", [(16, 64), (16, 48), (16, 32), (16, 16), (8, 32), (2, 8)])
+def test_qwen3_5_head_configs(hqk, hv):
+    _check(_inputs(seqs=[700, 1, 300], hqk=hqk, hv=hv, initial_state=True), l2norm=True)
+
+
+def test_long_sequence():
+    _check(_inputs(length=32768, initial_state=True), l2norm=True)
+
+
+def test_long_packed_varlen():
+    gen = torch.Generator().manual_seed(1)
+    seqs = torch.randint(1, 6000, (10,), generator=gen).tolist() + [64, 1]
+    _check(_inputs(seqs=seqs, initial_state=True), l2norm=True)
+
+
+@pytest.mark.parametrize("shape", [dict(kdim=64, vdim=64), dict(hqk=1, hv=2, kdim=D, vdim=D)],
+                         ids=["head dim 64", "2 value heads"])
+def test_unsupported_shapes_run_the_reference(shape):
+    x = make_inputs(length=100, dtype=torch.bfloat16, device="cuda", **shape)
+    assert fq.forward_backend(x["q"], x["k"], x["v"]) == "reference"
+    o, _ = fq.chunk_gated_delta_rule(**x, use_qk_l2norm_in_kernel=True)
+    o_ref, _ = reference.chunked_gated_delta_rule(**{n: t.double() if t.is_floating_point() else t
+                                                     for n, t in x.items()}, use_qk_l2norm_in_kernel=True)
+    assert rel_rms(o, o_ref) <= TOL
+
+
+def test_chunk_prep_intermediates():
+    """gamma and A0 diag(beta) of the prep kernel, against a float64 mirror of its contract."""
+    from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
+    from flash_qla_tl.kernels.compile import compile_program
+
+    x = _inputs(seqs=[70, 1, 0, 130], key_scale=3 * D ** -0.5)
+    x["beta"] *= 2  # beta up to 2 and unnormalised keys: large entries in M
+    k, g, beta = x["k"][0], x["g"][0], x["beta"][0]
+    total = k.shape[0]
+    bounds = planning.chunk_bounds(x["cu_seqlens"].cuda(), total)
+    gamma = torch.full((total, 8), math.nan, device="cuda")
+    a = torch.full((total, 8, 64), math.nan, device="cuda")
+    compile_program(build_chunk_prep, 2, 8, D, "bfloat16")(k, g, beta, bounds, gamma, a)
+
+    for first, end in bounds.tolist():
+        n = end - first
+        if n == 0:
+            continue
+        for h in range(8):
+            kc = k[first:end, h // 4].double()
+            b = beta[first:end, h].double()
+            m = (b[:, None] * (kc @ kc.T)).tril(-1)
+            eye = torch.eye(n, dtype=torch.float64, device="cuda")
+            a0 = torch.linalg.solve_triangular(eye + m, eye, upper=False, unitriangular=True)
+            want = torch.zeros(n, 64, dtype=torch.float64, device="cuda")
+            want[:, :n] = a0 * b[None, :]
+            assert rel_rms(a[first:end, h], want) < 1e-5
+            want_gamma = g[first:end, h].double().cumsum(0) / math.log(2)
+            assert rel_rms(gamma[first:end, h], want_gamma) < 1e-6
+    assert not torch.isnan(a).any() and not torch.isnan(gamma).any()
+
+
+def test_context_parallel_is_as_precise_as_one_pass(monkeypatch):
+    """No decay at all (the transitions M carry everything): splitting must not add error."""
+    from flash_qla_tl import context_parallel
+
+    x = _inputs(seqs=[30000, 2030], decay="none", initial_state=True)
+    ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+    o_ref, s_ref = reference.chunked_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    errors = {}
+    for mode in ("split", "one pass"):
+        if mode == "one pass":
+            monkeypatch.setattr(context_parallel, "segment_length", lambda *args: None)
+        o, s = fq.chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        errors[mode] = (rel_rms(o, o_ref), rel_rms(s, s_ref))
+    print("relative RMS (o, state):", errors)
+    for got, one_pass in zip(errors["split"], errors["one pass"]):
+        assert got <= 1.25 * one_pass + 1e-4, errors
+
+
+@pytest.mark.parametrize("decay", ["none", "normal"])
+def test_context_parallel_split(decay):
+    """Two long-ish sequences at 2/8 heads: the plan splits them into segments (and must stay exact)."""
+    from flash_qla_tl import context_parallel
+
+    # Known to fail with decay="none" (H200, 2026-11-22): o at 5.01e-3 relative RMS against the
+    # 5e-3 bar, split or not (the test above shows the split adds no error); see BENCHMARKS.md.
+    seqs = [12000, 2030]
+    assert context_parallel.segment_length(sum(seqs), 2, 2 * 8 * 2, torch.device("cuda")) is not None
+    _check(_inputs(seqs=seqs, decay=decay, initial_state=True), l2norm=True)
+
+
+def test_segment_scan_composes_affine_segment_maps():
+    from flash_qla_tl import context_parallel
+    from flash_qla_tl.kernels.compile import compile_program
+    from flash_qla_tl.kernels.segment_scan import build_segment_scan
+
+    seg_cu, first, count = context_parallel.segment_table(torch.tensor([0, 700, 700, 900], device="cuda"), 900, 256)
+    num_segs = seg_cu.numel() - 1
+    m = torch.randn(num_segs, 8, D, D, device="cuda") / D ** 0.5
+    h = torch.randn(num_segs, 8, D, D, device="cuda")
+    s0 = torch.randn(3, 8, D, D, device="cuda")
+    entry, final = torch.full_like(h, math.nan), torch.full_like(s0, math.nan)
+    compile_program(build_segment_scan, 8, D, D)(m, h, s0, first, count, entry, final)
+    for n in range(3):
+        s = s0[n].double()
+        for i in range(first[n], first[n] + count[n]):
+            assert rel_rms(entry[i], s) < 1e-5
+            s = m[i].double() @ s + h[i].double()
+        assert rel_rms(final[n], s) < 1e-5

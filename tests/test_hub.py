@@ -1,0 +1,377 @@
+"""The Hugging Face kernel-hub package: build.toml, the built variant, its ops, layers and Transformers integration.
+
+CPU tests load the package the way users do (`get_kernel` offline through
+LOCAL_KERNELS) and compare kernelized tiny Qwen3.5 / Qwen3.5-MoE models with
+the unpatched ones.  GPU tests (sm_90) repeat that on CUDA in bf16.
+"""
+
+import copy
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import huggingface_hub
+import kernels.layer.repos
+import pytest
+import torch
+from kernels import Mode, get_kernel, kernelize, use_kernel_mapping
+from kernels._rust import Backend, Build, Metadata
+from kernels.layer.layer import _validate_layer
+from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+import flash_qla_tl
+from helpers import make_inputs, rel_rms
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSFORMERS_MODELING = (modeling_qwen3_5, modeling_qwen3_5_moe)
+GDN_CLASSES = (modeling_qwen3_5.Qwen3_5GatedDeltaNet, modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet)
+CUDA_TORCH = torch.version.cuda is not None
+
+
+def build_hub(out: Path) -> Path:
+    """Run `scripts/build_hub.py --out DIR`, which writes DIR/build/torch-cuda."""
+    subprocess.run([sys.executable, ROOT / "scripts" / "build_hub.py", "--out", out], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hub_build(tmp_path_factory) -> Path:
+    return build_hub(tmp_path_factory.mktemp("hub"))
+
+
+def local_kernels_path(hub_build: Path) -> Path:
+    # A CPU-only torch rejects the torch-cuda variant when resolving a repository,
+    # so on CPU LOCAL_KERNELS names the variant directory itself (kernels accepts both).
+    return hub_build if CUDA_TORCH else hub_build / "build" / "torch-cuda"
+
+
+@pytest.fixture(scope="session")
+def flash_qla(hub_build):
+    """The built package, loaded with `get_kernel` offline: LOCAL_KERNELS and HF_HUB_OFFLINE."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LOCAL_KERNELS", f"qwen/flash-qla={local_kernels_path(hub_build)}")
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        return get_kernel("qwen/flash-qla", version=1)
+
+
+@pytest.fixture(autouse=True)
+def restore_transformers_function_hooks():
+    """kernelize rebinds `forward` on Transformers' module-level hooked functions; undo it after each test."""
+    yield
+    for module in TRANSFORMERS_MODELING:
+        for hooked in vars(module).values():
+            if isinstance(hooked, torch.nn.Module) and hasattr(type(hooked), "kernel_layer_name"):
+                vars(hooked).pop("forward", None)
+
+
+def tiny_model(moe=False, head_dim=16, device="cpu", dtype=torch.float32, seed=0):
+    """Random-weight Qwen3.5 (or Qwen3.5-MoE) with 3 GatedDeltaNet layers, grouped value heads (2 -> 4)."""
+    common = dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_num_key_heads=2,
+        linear_num_value_heads=4, pad_token_id=0,
+    )
+    if moe:
+        config = Qwen3_5MoeTextConfig(**common, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                      num_experts=4, num_experts_per_tok=2)
+    else:
+        config = Qwen3_5TextConfig(**common, intermediate_size=128)
+    torch.manual_seed(seed)
+    model_class = Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM
+    return model_class(config).to(device=device, dtype=dtype).eval()
+
+
+def gdn_layers(model):
+    return [m for m in model.modules() if isinstance(m, GDN_CLASSES)]
+
+
+def prefill_and_decode(model, input_ids, steps=3):
+    """Logits of a cached prefill and of `steps` cached single-token steps (teacher-forced: no argmax ties)."""
+    with torch.no_grad():
+        out = model(input_ids[:, :-steps], use_cache=True)
+        logits = [out.logits]
+        for t in range(input_ids.shape[1] - steps, input_ids.shape[1]):
+            out = model(input_ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+def random_ids(batch=2, length=70, device="cpu", seed=1):
+    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+# ---- packaging ------------------------------------------------------------------------------------
+
+
+def test_build_toml_is_edition_5_torch_noarch_for_sm90():
+    build = Build.open(ROOT)  # kernels' own parser: raises on any field it does not know
+    assert build.general.backends == [Backend.CUDA]
+    config = tomllib.loads((ROOT / "build.toml").read_text())
+    assert (config["general"]["name"], config["general"]["edition"]) == ("flash-qla", 5)
+    assert config["torch-noarch"] == {"cuda_capabilities": ["9.0a"]}
+
+
+def test_build_writes_a_noarch_variant_with_the_library_vendored(hub_build, tmp_path, capsys):
+    from kernels.cli.info import print_kernel_info  # the CLI needs sigstore, absent on the GPU image
+    variant = build_hub(tmp_path) / "build" / "torch-cuda"  # a fresh build: nothing has imported it yet
+    metadata = Metadata.read_from_file(variant / "metadata.json")
+    assert str(metadata.name) == "flash-qla" and metadata.version == 1
+    assert metadata.backend.backend_type == Backend.CUDA and metadata.backend.archs == ["9.0a"]
+    unique_id = re.fullmatch(r"_flash_qla_cuda_([0-9a-f]{10})", metadata.id).group(1)
+    assert f'_OPS_NAME = f"_flash_qla_{{get_backend()}}_{unique_id}"' in (variant / "_ops.py").read_text()
+    session_build = Metadata.read_from_file(hub_build / "build" / "torch-cuda" / "metadata.json")
+    assert session_build.id == metadata.id  # the namespace is a hash of the sources
+
+    for name in ("__init__.py", "ops.py", "layers.py", "flash_qla_tl/__init__.py", "flash_qla_tl/api.py"):
+        assert (variant / name).is_file(), name
+    assert not list(variant.rglob("__pycache__"))
+    library = ROOT / "flash_qla_tl" / "api.py"
+    assert (variant / "flash_qla_tl" / "api.py").read_text() == library.read_text()
+
+    print_kernel_info(str(tmp_path))
+    assert {"Name: flash-qla", "Backends: cuda"} <= set(capsys.readouterr().out.splitlines())
+
+
+def test_source_tree_for_nix_has_the_library_vendored(tmp_path):
+    subprocess.run([sys.executable, ROOT / "scripts" / "build_hub.py", "--source-tree", tmp_path], check=True)
+    assert Build.open(tmp_path).general.backends == [Backend.CUDA]
+    assert "genKernelFlakeOutputs" in (tmp_path / "flake.nix").read_text()
+    package = tmp_path / "torch-ext" / "flash_qla"
+    assert (package / "layers.py").is_file() and (package / "flash_qla_tl" / "api.py").is_file()
+    assert not (package / "_ops.py").exists()  # kernel-builder generates it
+
+
+def test_get_kernel_loads_offline_in_a_fresh_process_without_tilelang(hub_build, tmp_path):
+    script = (
+        "import sys\n"
+        "from kernels import get_kernel\n"
+        "flash_qla = get_kernel('qwen/flash-qla', version=1)\n"
+        "print(flash_qla.__file__)\n"
+        "print(sorted(m for m in ('tilelang', 'transformers', 'flash_qla_tl') if m in sys.modules))\n"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+        "LOCAL_KERNELS": f"qwen/flash-qla={local_kernels_path(hub_build)}",
+    }
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    module_file, imported = result.stdout.splitlines()
+    assert Path(module_file) == hub_build / "build" / "torch-cuda" / "__init__.py"
+    assert imported == "[]"  # TileLang is lazy; the library is the vendored copy
+
+
+# ---- operators ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("op_name", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+def test_ops_match_the_library_in_values_and_gradients(flash_qla, op_name, packed):
+    inputs = make_inputs(batch=2, length=70, hqk=2, hv=4, kdim=16, vdim=8, dtype=torch.float32,
+                         seqs=[30, 1, 39] if packed else None, initial_state=True)
+    copies = [{n: x.clone().requires_grad_(x.is_floating_point()) for n, x in inputs.items()} for _ in range(2)]
+    results = []
+    for operator, args in ((getattr(flash_qla, op_name), copies[0]), (getattr(flash_qla_tl, op_name), copies[1])):
+        o, final_state = operator(**args, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seq_lens_q=None)
+        (o.square().sum() + final_state.square().sum()).backward()
+        results.append([o, final_state] + [args[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")])
+    for ours, library in zip(*results):
+        assert rel_rms(ours, library) < 1e-5
+
+
+def test_ops_pass_opcheck(flash_qla):
+    ops = sys.modules[f"{flash_qla.__name__}.ops"]
+    x = make_inputs(length=20, hqk=2, hv=4, kdim=16, vdim=8, dtype=torch.float32, seqs=[7, 13], initial_state=True)
+    grad = lambda t: t.clone().requires_grad_()
+    for op in (ops._chunk_op, ops._recurrent_op):
+        qkvgb = [grad(x[n]) for n in ("q", "k", "v", "g", "beta")]
+        torch.library.opcheck(op, (*qkvgb, None, grad(x["initial_state"]), True, True, x["cu_seqlens"]))
+        torch.library.opcheck(op, (*qkvgb, 0.3, None, False, False, None))
+
+
+def test_ops_compile_without_graph_breaks(flash_qla):
+    def prefill_then_decode(q, k, v, g, beta, initial_state):
+        o, state = flash_qla.chunk_gated_delta_rule(q[:, :-1], k[:, :-1], v[:, :-1], g[:, :-1], beta[:, :-1],
+                                                    initial_state=initial_state, output_final_state=True)
+        step, state = flash_qla.fused_recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:],
+                                                                 beta[:, -1:], initial_state=state,
+                                                                 output_final_state=True)
+        return o.square().sum() + step.square().sum() + state.square().sum()
+
+    x = make_inputs(length=40, hqk=2, hv=4, kdim=16, vdim=8, dtype=torch.float32, initial_state=True)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    compiled_args = [x[n].clone().requires_grad_() for n in names]
+    eager_args = [x[n].clone().requires_grad_() for n in names]
+    torch.compile(prefill_then_decode, fullgraph=True, backend="aot_eager")(*compiled_args).backward()
+    prefill_then_decode(*eager_args).backward()
+    for compiled, eager in zip(compiled_args, eager_args):
+        assert rel_rms(compiled.grad, eager.grad) < 1e-6
+
+
+# ---- layers and kernelize -----------------------------------------------------------------------
+
+
+def test_layers_pass_kernels_validation(flash_qla):
+    # The hooked functions are instances of classes that kernels generates from their signatures.
+    chunk_hook, recurrent_hook = (type(getattr(modeling_qwen3_5, name)) for name in (
+        "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
+    checks = [(cls, flash_qla.layers.Qwen3_5GatedDeltaNet) for cls in GDN_CLASSES] + [
+        (chunk_hook, flash_qla.layers.ChunkGatedDeltaRule),
+        (recurrent_hook, flash_qla.layers.FusedRecurrentGatedDeltaRule),
+    ]
+    for transformers_class, layer in checks:
+        _validate_layer(check_cls=transformers_class, cls=layer, repo=layer.__name__)  # raises on mismatch
+        assert layer.has_backward and layer.can_torch_compile
+    hooks = {transformers_class.kernel_layer_name for transformers_class, _ in checks}
+    assert hooks == set(flash_qla.kernel_mapping()) == {
+        "Qwen3_5GatedDeltaNet", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"}
+
+
+@pytest.mark.parametrize("capability", [80, 90, 100])
+def test_cuda_mapping_selects_sm90_only(flash_qla, monkeypatch, capability):
+    monkeypatch.setattr(kernels.layer.repos, "_find_capability", lambda: capability)  # the device's, as 10 * major + minor
+    model = tiny_model()  # kernelize only rebinds forward, so a CPU model can stand in for a CUDA one
+    with use_kernel_mapping(flash_qla.kernel_mapping("cuda", flash_qla.mapping.PACKAGE_DIR)):
+        kernelize(model, mode=Mode.INFERENCE, device="cuda")
+    ours = flash_qla.layers.Qwen3_5GatedDeltaNet.forward
+    assert [layer.forward.__func__ is ours for layer in gdn_layers(model)] == [capability == 90] * 3
+
+
+def check_kernelize_matches(flash_qla, model, input_ids, tolerance, monkeypatch):
+    """kernelize_qwen3_5 swaps every GDN layer; prefill and cached decoding match the unpatched model."""
+    reference = prefill_and_decode(model, input_ids)
+    flash_qla.kernelize_qwen3_5(model)
+    assert len(gdn_layers(model)) == 3
+    assert all(layer.forward.__func__ is flash_qla.layers.Qwen3_5GatedDeltaNet.forward for layer in gdn_layers(model))
+
+    decode_calls = []
+    recurrent = flash_qla.layers.fused_recurrent_gated_delta_rule
+    monkeypatch.setattr(flash_qla.layers, "fused_recurrent_gated_delta_rule",
+                        lambda *a, **kw: decode_calls.append(1) or recurrent(*a, **kw))
+    assert rel_rms(prefill_and_decode(model, input_ids), reference) < tolerance
+    assert len(decode_calls) == 3 * 3  # 3 GDN layers x 3 cached single-token steps
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_kernelize_swaps_every_gdn_layer_and_matches_the_model(flash_qla, moe, monkeypatch):
+    check_kernelize_matches(flash_qla, tiny_model(moe=moe), random_ids(), 1e-5, monkeypatch)
+
+
+def test_function_hooks_match_transformers_operators(flash_qla):
+    model, input_ids = tiny_model(), random_ids()
+    reference = prefill_and_decode(model, input_ids)
+    only_functions = {hook: repos for hook, repos in flash_qla.kernel_mapping("cpu", flash_qla.mapping.PACKAGE_DIR)
+                      .items() if hook != "Qwen3_5GatedDeltaNet"}
+    with use_kernel_mapping(only_functions):
+        kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    assert modeling_qwen3_5.torch_chunk_gated_delta_rule.forward.__func__ is flash_qla.layers.ChunkGatedDeltaRule.forward
+    recurrent_hook = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+    assert recurrent_hook.forward.__func__ is flash_qla.layers.FusedRecurrentGatedDeltaRule.forward
+    assert rel_rms(prefill_and_decode(model, input_ids), reference) < 1e-5
+
+
+def test_register_kernel_mapping_lets_kernels_kernelize(flash_qla):
+    model = tiny_model()
+    with use_kernel_mapping({}):  # a scratch copy of the global mapping, dropped on exit
+        flash_qla.register_kernel_mapping("cpu")
+        kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    assert all(layer.forward.__func__ is flash_qla.layers.Qwen3_5GatedDeltaNet.forward for layer in gdn_layers(model))
+
+
+def test_module_layer_keeps_packed_sequences_apart(flash_qla):
+    layer = gdn_layers(flash_qla.kernelize_qwen3_5(tiny_model()))[0]
+    first, second = torch.randn(1, 9, 64), torch.randn(1, 23, 64)
+    cu_seq_lens_q = torch.tensor([0, 9, 32], dtype=torch.int32)
+    with torch.no_grad():
+        packed = layer(torch.cat([first, second], dim=1), cu_seq_lens_q=cu_seq_lens_q, use_cache=False)
+        separate = torch.cat([layer(first), layer(second)], dim=1)
+    assert rel_rms(packed, separate) < 1e-5
+
+
+def test_module_layer_compiles_without_graph_breaks(flash_qla):
+    layer = gdn_layers(flash_qla.kernelize_qwen3_5(tiny_model().train()))[0]
+    hidden_states = torch.randn(2, 20, 64, requires_grad=True)
+    torch.compile(layer, fullgraph=True, backend="aot_eager")(hidden_states).square().sum().backward()
+    compiled_grads = [hidden_states.grad.clone(), layer.A_log.grad.clone()]
+    hidden_states.grad, layer.A_log.grad = None, None
+    layer(hidden_states).square().sum().backward()
+    assert rel_rms(compiled_grads[0], hidden_states.grad) < 1e-5
+    assert rel_rms(compiled_grads[1], layer.A_log.grad) < 1e-5
+
+
+def check_training_step_matches(flash_qla, model, input_ids, flat_tolerance, parameter_tolerance):
+    """One loss.backward() of the kernelized model gives the unpatched model's parameter gradients."""
+    def gradients(model):
+        model(input_ids, labels=input_ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    patched = flash_qla.kernelize_qwen3_5(copy.deepcopy(model))
+    reference, ours = gradients(model), gradients(patched)
+    assert reference.keys() == ours.keys() and any("linear_attn.A_log" in name for name in ours)
+    flat = lambda grads: torch.cat([g.flatten() for g in grads.values()])
+    assert rel_rms(flat(ours), flat(reference)) < flat_tolerance
+    # A parameter whose gradient is a sliver of the whole (dt_bias: ~1e-9 in bf16) is judged
+    # against 1% of the whole gradient's norm, not against its own rounding noise.
+    floor = 1e-2 * flat(reference).double().norm()
+    for name in reference:
+        error = (ours[name].double() - reference[name].double()).norm() / torch.maximum(
+            reference[name].double().norm(), floor)
+        assert error < parameter_tolerance, (name, error.item())
+
+
+def test_training_step_gradients_match_the_model(flash_qla):
+    # fp32 and two algorithms: the tiny gradients of strongly decayed heads differ the most (about 1e-3).
+    check_training_step_matches(flash_qla, tiny_model().train(), random_ids(), 1e-5, 1e-2)
+
+
+def test_trainer_steps_run_on_the_kernelized_model(flash_qla, tmp_path, monkeypatch):
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    model = flash_qla.kernelize_qwen3_5(tiny_model().train())
+    before = model.model.layers[0].linear_attn.in_proj_qkv.weight.detach().clone()
+    chunk_calls = []
+    chunk = flash_qla.layers.chunk_gated_delta_rule
+    monkeypatch.setattr(flash_qla.layers, "chunk_gated_delta_rule",
+                        lambda *a, **kw: chunk_calls.append(1) or chunk(*a, **kw))
+    dataset = [{"input_ids": ids, "labels": ids} for ids in random_ids(batch=8, length=32)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert len(chunk_calls) == 3 * 3  # 3 GDN layers x 3 steps
+    assert not torch.equal(model.model.layers[0].linear_attn.in_proj_qkv.weight, before)
+
+
+# ---- GPU (sm_90): the TileLang kernels ------------------------------------------------------------
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+sm90 = pytest.mark.skipif(not SM90, reason="flash-qla's TileLang kernels are built for sm_90a")
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_get_kernel_resolves_the_cuda_variant(flash_qla, hub_build):
+    # LOCAL_KERNELS names the repository here: variant resolution and the 9.0a arch check both ran.
+    assert Path(flash_qla.__file__) == hub_build / "build" / "torch-cuda" / "__init__.py"
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpu_kernelize_matches_the_model_in_bf16(flash_qla, moe, monkeypatch):
+    model = tiny_model(moe=moe, head_dim=128, device="cuda", dtype=torch.bfloat16)
+    check_kernelize_matches(flash_qla, model, random_ids(device="cuda"), 2e-2, monkeypatch)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_training_step_gradients_match_the_model_in_bf16(flash_qla):
+    model = tiny_model(head_dim=128, device="cuda", dtype=torch.bfloat16).train()
+    check_training_step_matches(flash_qla, model, random_ids(device="cuda"), 3e-2, 1e-1)

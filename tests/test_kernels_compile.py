@@ -1,0 +1,39 @@
+"""Every TileLang kernel lowers and compiles for sm_90a on this machine (no GPU needed).
+
+A kernel that fails to build fails here, not on the device.  tilelang and nvcc
+(``CUDA_HOME``) are required: a missing toolchain is a failure, not a skip.
+"""
+
+import pytest
+
+from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
+from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
+from flash_qla_tl.kernels.compile import compile_program
+from flash_qla_tl.kernels.l2norm import build_l2norm_rows
+from flash_qla_tl.kernels.segment_scan import build_segment_scan
+
+
+def test_segment_scan_compiles():
+    source = compile_program(build_segment_scan, 8, 128, 128).get_kernel_source()
+    assert "num_segments" in source
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_l2norm_compiles(dtype):
+    source = compile_program(build_l2norm_rows, 128, dtype).get_kernel_source()
+    assert "rsqrt" in source
+
+
+@pytest.mark.parametrize("hqk,hv,dtype", [(16, 32, "bfloat16"), (2, 8, "float16")])
+def test_chunk_prep_compiles(hqk, hv, dtype):
+    source = compile_program(build_chunk_prep, hqk, hv, 128, dtype).get_kernel_source()
+    assert "wgmma" in source  # the Gram matrix runs on the tensor cores
+
+
+@pytest.mark.parametrize("hqk,hv,dtype,has_h0,store_ht", [
+    (16, 32, "bfloat16", True, True),
+    (2, 8, "float16", False, False),
+])
+def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht):
+    source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht).get_kernel_source()
+    assert "wgmma" in source

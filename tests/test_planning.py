@@ -1,0 +1,21 @@
+"""The device-side work lists: chunk table and the context-parallel segments and scan (CPU)."""
+
+import torch
+
+from flash_qla_tl import context_parallel, planning
+
+
+def test_chunk_bounds_cover_every_token_once():
+    cu = torch.tensor([0, 0, 1, 65, 200, 200, 330])
+    bounds = planning.chunk_bounds(cu, 330).tolist()
+    real = [b for b in bounds if b[1] > b[0]]
+    assert real == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 200], [200, 264], [264, 328], [328, 330]]
+    assert all(b == [0, 0] for b in bounds[len(real):])
+
+
+def test_segment_table_cuts_sequences_at_multiples_of_the_segment():
+    cu = torch.tensor([0, 300, 300, 301, 1000])
+    seg_cu, first, count = context_parallel.segment_table(cu, 1000, 256)
+    assert seg_cu.tolist()[:7] == [0, 256, 300, 301, 557, 813, 1000]
+    assert set(seg_cu.tolist()[7:]) == {1000}
+    assert first.tolist() == [0, 2, 2, 3] and count.tolist() == [2, 0, 1, 3]

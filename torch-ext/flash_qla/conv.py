@@ -1,0 +1,61 @@
+"""Depthwise causal convolution of the Qwen3.5 GatedDeltaNet layer, in plain PyTorch.
+
+Same arithmetic as Transformers' `causal_conv1d_fn` / `causal_conv1d_update`
+torch paths (inputs cast to the weight's dtype, result cast back), plus
+packed sequences: with `cu_seqlens` no tap reads across a sequence boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unsupported conv activation {activation!r}, expected one of {list(_ACTIVATIONS)}")
+    return _ACTIVATIONS[activation](x)
+
+
+def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
+    """Causal conv of `x` [B, C, T] with `weight` [C, W] (zero left padding).
+
+    `cu_seqlens` [N + 1] marks packed sequences in a batch of one; each then
+    starts from zeros, as if it were run alone.
+    """
+    width, length = weight.shape[-1], x.shape[-1]
+    inputs = x.to(weight.dtype)
+    if cu_seqlens is None:
+        out = F.conv1d(inputs, weight.unsqueeze(1), bias, padding=width - 1, groups=x.shape[1])[..., :length]
+    else:
+        out = _packed_causal_conv1d(inputs, weight, bias, cu_seqlens)
+    return _activate(out, activation).to(x.dtype)
+
+
+def _packed_causal_conv1d(x, weight, bias, cu_seqlens):
+    # Tap j of token t reads token t - j, which must not lie before the start of
+    # t's own sequence.  Masks rather than a loop over sequences: no host sync.
+    width, length = weight.shape[-1], x.shape[-1]
+    positions = torch.arange(length, device=x.device)
+    offsets = cu_seqlens.to(device=x.device, dtype=positions.dtype)
+    starts = offsets[torch.searchsorted(offsets, positions, right=True) - 1]
+    position_in_sequence = positions - starts
+    out = torch.zeros_like(x) if bias is None else bias[:, None].expand_as(x)
+    for j in range(width):
+        shifted = F.pad(x, (j, 0))[..., :length]
+        out = out + weight[:, width - 1 - j, None] * shifted * (position_in_sequence >= j)
+    return out
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
+    """Cached decoding: conv of the new tokens `x` [B, C, T] after the cached window `conv_state` [B, C, S].
+
+    Updates `conv_state` in place to the last S inputs, as Transformers does.
+    """
+    length = x.shape[-1]
+    window = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
+    conv_state.copy_(window[..., -conv_state.shape[-1]:])
+    out = F.conv1d(window, weight.unsqueeze(1), bias, groups=x.shape[1])[..., -length:]
+    return _activate(out, activation).to(x.dtype)

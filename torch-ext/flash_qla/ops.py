@@ -1,0 +1,172 @@
+"""The gated delta rule as PyTorch custom ops, so `torch.compile` traces it without graph breaks.
+
+Each operator is a forward op and a backward op under this build's own namespace
+(`_ops.add_op_namespace_prefix`, generated at build time), with fake (meta)
+implementations that give output shapes without running anything.  The bodies
+call the vendored `flash_qla_tl` library; the public functions here keep its
+signature and conventions (q, k [B, T, Hqk, K], v [B, T, Hv, V], g and beta
+[B, T, Hv], grouped value heads, packed sequences through `cu_seqlens`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ._ops import add_op_namespace_prefix
+from .flash_qla_tl import (
+    chunk_gated_delta_rule_bwd,
+    chunk_gated_delta_rule_fwd,
+)
+from .flash_qla_tl import fused_recurrent_gated_delta_rule as _recurrent_forward
+from .flash_qla_tl.reference import compute_dtype_for
+from .flash_qla_tl.validation import check_inputs, check_kwargs
+
+def _absent_like(x: Tensor) -> Tensor:
+    # Custom ops cannot return None: an absent tensor (final state not asked
+    # for, no initial state to differentiate) travels as an empty tensor.
+    return x.new_empty(0)
+
+
+@contextlib.contextmanager
+def _autograd_recording():
+    """Let autograd record inside a custom op's body.
+
+    PyTorch runs custom-op bodies with the autograd dispatch keys excluded, but
+    the library's backward still recomputes its PyTorch reference under
+    autograd.  Re-including those keys (private API, no public equivalent)
+    keeps that working until the library's backward is a kernel of its own.
+    """
+    keys = torch._C.DispatchKey
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+        excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
+        yield
+
+
+def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    # The library's public function would wrap this in its autograd.Function;
+    # the op has its own autograd, so it calls the forward alone.  Validation
+    # runs here, in the op body, because checking `cu_seqlens` reads its values
+    # on the host, which would break a traced graph.
+    check_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+    )
+
+
+def _register(name: str, forward: Callable) -> Callable:
+    """Register `name` (forward `forward`) and `name_bwd`, and wire them into autograd.
+
+    Both operators compute the same function (the recurrent and the chunked
+    forms are exact), so both differentiate through the library's chunked
+    backward.
+    """
+
+    @torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=())
+    def forward_op(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        scale: Optional[float],
+        initial_state: Optional[Tensor],
+        output_final_state: bool,
+        use_qk_l2norm_in_kernel: bool,
+        cu_seqlens: Optional[Tensor],
+    ) -> tuple[Tensor, Tensor]:
+        o, final_state = forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+        )
+        return o.contiguous(), _absent_like(q) if final_state is None else final_state
+
+    @forward_op.register_fake
+    def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        if not output_final_state:
+            return v.new_empty(v.shape), _absent_like(q)
+        num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        state_shape = (num_seqs, v.shape[2], k.shape[3], v.shape[3])
+        return v.new_empty(v.shape), q.new_empty(state_shape, dtype=compute_dtype_for(q))
+
+    @torch.library.custom_op(add_op_namespace_prefix(f"{name}_bwd"), mutates_args=())
+    def backward_op(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        scale: Optional[float],
+        initial_state: Optional[Tensor],
+        do: Tensor,
+        dht: Optional[Tensor],
+        use_qk_l2norm_in_kernel: bool,
+        cu_seqlens: Optional[Tensor],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        with _autograd_recording():
+            *grads, dh0 = chunk_gated_delta_rule_bwd(
+                q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens
+            )
+        # Contiguous, as the fake implementation promises.
+        return (*(d.contiguous() for d in grads), _absent_like(q) if dh0 is None else dh0.contiguous())
+
+    @backward_op.register_fake
+    def _(q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens):
+        dh0 = _absent_like(q) if initial_state is None else initial_state.new_empty(initial_state.shape)
+        return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), dh0)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens = inputs
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale = scale
+        ctx.output_final_state = output_final_state
+        ctx.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel
+
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = backward_op(
+            q, k, v, g, beta, ctx.scale, initial_state, do,
+            dht if ctx.output_final_state else None,
+            ctx.use_qk_l2norm_in_kernel, cu_seqlens,
+        )
+        return dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+    return forward_op
+
+
+_chunk_op = _register("chunk_gated_delta_rule", _chunk_forward)
+_recurrent_op = _register("fused_recurrent_gated_delta_rule", _recurrent_forward)
+
+
+def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, kwargs):
+    check_kwargs(kwargs)
+    o, final_state = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return o, final_state if output_final_state else None
+
+
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
+):
+    """Gated delta rule over whole sequences (prefill, training): `flash_qla_tl.chunk_gated_delta_rule` as an op.
+
+    Returns `(o, final_state)`: o [B, T, Hv, V] in v's dtype, final_state
+    [N, Hv, K, V] float32 or None.  Pass-through keyword arguments such as
+    Transformers' `cu_seq_lens_q` are accepted and ignored.
+    """
+    return _call(_chunk_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                 use_qk_l2norm_in_kernel, cu_seqlens, kwargs)
+
+
+def fused_recurrent_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
+):
+    """Token-by-token form for decoding from a state; arguments and results as `chunk_gated_delta_rule`."""
+    return _call(_recurrent_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                 use_qk_l2norm_in_kernel, cu_seqlens, kwargs)
