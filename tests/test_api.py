@@ -148,3 +148,8 @@ def test_mixed_devices_are_rejected():
 def test_mixed_devices_are_rejected_on_cpu_too():
     with pytest.raises(ValueError, match="one device"):
         _call(g=torch.zeros(1, 8, 4, device="meta"))
+
+
+def test_cpu_inputs_take_the_reference_path():
+    x = make_inputs(length=4, kdim=128, vdim=128, hv=8, dtype=torch.bfloat16)
+    assert fq.forward_backend(x["q"], x["k"], x["v"]) == "reference"
