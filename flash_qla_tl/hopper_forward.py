@@ -86,14 +86,16 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     g, beta = _packed(g).float(), _packed(beta).float()
     total = batch * length
     if cu_seqlens is None:
-        cu_seqlens = planning.dense_cu_seqlens(batch, length, device)
-    cu_seqlens = cu_seqlens.to(torch.int32)
+        cu_seqlens, bounds = planning.dense_tables(batch, length, device)
+    else:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+        bounds = planning.chunk_bounds(cu_seqlens, total)
     scale = kdim ** -0.5 if scale is None else float(scale)
 
     gamma = torch.empty(total, hv, dtype=torch.float32, device=device)
     a = torch.empty(total, hv, 64, dtype=torch.float32, device=device)
     prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype)
-    prep(k, g, beta, planning.chunk_bounds(cu_seqlens, total), gamma, a)
+    prep(k, g, beta, bounds, gamma, a)
 
     def state_pass(values, offsets, h0, store_ht, out):
         """One fused pass over the sequences ``offsets`` describes; returns their final states."""

@@ -8,6 +8,8 @@ reads a device value on the host, which keeps CUDA-graph capture possible.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 CHUNK = 64
@@ -16,6 +18,13 @@ CHUNK = 64
 def dense_cu_seqlens(batch: int, length: int, device) -> torch.Tensor:
     """Offsets that describe a dense ``[B, T]`` batch as ``B`` packed sequences."""
     return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)[: batch + 1]
+
+
+@functools.lru_cache(maxsize=64)
+def dense_tables(batch: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_seqlens, chunk_bounds)`` of a dense batch, built once per shape and device."""
+    cu = dense_cu_seqlens(batch, length, device)
+    return cu, chunk_bounds(cu, batch * length)
 
 
 def chunk_bounds(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:

@@ -19,3 +19,10 @@ def test_segment_table_cuts_sequences_at_multiples_of_the_segment():
     assert seg_cu.tolist()[:7] == [0, 256, 300, 301, 557, 813, 1000]
     assert set(seg_cu.tolist()[7:]) == {1000}
     assert first.tolist() == [0, 2, 2, 3] and count.tolist() == [2, 0, 1, 3]
+
+
+def test_dense_tables_describe_the_batch_rows():
+    cu, bounds = planning.dense_tables(3, 100, torch.device("cpu"))
+    assert cu.tolist() == [0, 100, 200, 300]
+    assert torch.equal(bounds, planning.chunk_bounds(cu, 300))
+    assert planning.dense_tables(3, 100, torch.device("cpu"))[1] is bounds  # built once
