@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flash_qla_tl  # noqa: E402
+from timing import time_ms, versions  # noqa: E402
 
 HEADS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (16, 16), (32, 32)]
 LENGTHS = {
@@ -69,21 +69,6 @@ def make_problem(hqk, hv, seqs, seed=0):
         initial_state=rnd(len(seqs), hv, D, D) * 0.05,
         cu_seqlens=torch.tensor([0] + torch.tensor(seqs).cumsum(0).tolist(), dtype=torch.int32, device="cuda"),
     )
-
-
-def time_ms(fn, warmup=5, reps=30) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure_ceilings() -> dict:
@@ -176,12 +161,6 @@ def chart(rows, path, meta):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-    get = lambda name: md.version(name) if any(True for _ in md.distributions(name=name)) else "absent"
-    return {"torch": torch.__version__, "tilelang": get("tilelang"), "fla": get("fla-core"), "flash_qla": get("flash-qla")}
 
 
 def main():

@@ -1,7 +1,10 @@
-"""Launcher for the Hopper forward: layouts in, two TileLang kernels, outputs back.
+"""Launcher for the Hopper forward: layouts in, TileLang kernels, outputs back.
 
+0. ``inverse_norms`` (with ``use_qk_l2norm_in_kernel``): ``1 / |row|`` of q and k,
+   applied later as fp32 scales (q and k themselves are never rewritten).
 1. ``chunk_prep`` (all chunks at once): the gate cumsum and the gate-free chunk
-   inverse ``A0 diag(beta)``.
+   inverse ``A = A0 diag(beta)``, written as the two GEMM operands the state
+   pass needs (``-diag(G) A diag(rk)`` for the keys, ``A o E`` for the values).
 2. ``chunk_forward`` (one program per sequence, value head and 64-wide value
    block): the state pass fused with the value correction and the output.
 
@@ -66,7 +69,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     from .kernels.chunk_forward import build_chunk_forward
     from .kernels.chunk_prep import build_chunk_prep
     from .kernels.compile import compile_program
-    from .kernels.l2norm import build_l2norm_rows
+    from .kernels.inverse_norms import build_inverse_norms, padded_heads
     from .kernels.segment_scan import build_segment_scan
 
     batch, length, hqk, kdim = q.shape
@@ -80,11 +83,17 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     dtype = KERNEL_DTYPES[q.dtype]
     device = q.device
     q, k, v = _packed(q), _packed(k), _packed(v)
-    if use_qk_l2norm_in_kernel:
-        normalise = compile_program(build_l2norm_rows, kdim, dtype)
-        q, k = _normalised(normalise, q), _normalised(normalise, k)
-    g, beta = _packed(g).float(), _packed(beta).float()
     total = batch * length
+    # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm.
+    norm_shape = (total, padded_heads(hqk))
+    if use_qk_l2norm_in_kernel:
+        inverse_norms = compile_program(build_inverse_norms, hqk, kdim, dtype)
+        q_norm, k_norm = (torch.empty(norm_shape, dtype=torch.float32, device=device) for _ in range(2))
+        inverse_norms(q, q_norm)
+        inverse_norms(k, k_norm)
+    else:
+        q_norm = k_norm = torch.ones(norm_shape, dtype=torch.float32, device=device)
+    g, beta = _packed(g).float(), _packed(beta).float()
     if cu_seqlens is None:
         cu_seqlens, bounds = planning.dense_tables(batch, length, device)
     else:
@@ -93,9 +102,9 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     scale = kdim ** -0.5 if scale is None else float(scale)
 
     gamma = torch.empty(total, hv, dtype=torch.float32, device=device)
-    a = torch.empty(total, hv, 64, dtype=torch.float32, device=device)
+    a_keys, a_values = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) for _ in range(2))
     prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype)
-    prep(k, g, beta, bounds, gamma, a)
+    prep(k, k_norm, g, beta, bounds, gamma, a_keys, a_values)
 
     def state_pass(values, offsets, h0, store_ht, out):
         """One fused pass over the sequences ``offsets`` describes; returns their final states."""
@@ -103,7 +112,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         ht = (torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht
               else _placeholder_state(hv, kdim, vdim, device))
         kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht)
-        kernel(q, k, values, gamma, a, offsets, _placeholder_state(hv, kdim, vdim, device) if h0 is None else h0,
+        kernel(q, k, q_norm, k_norm, values, gamma, a_keys, a_values, offsets, _placeholder_state(hv, kdim, vdim, device) if h0 is None else h0,
                scale, out, ht)
         return ht
 
@@ -129,13 +138,6 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         # Offsets were not checked on the host: keep tokens past cu_seqlens[-1] defined.
         o.masked_fill_((torch.arange(total, device=device) >= cu_seqlens[-1])[:, None, None], 0)
     return o.view(batch, length, hv, vdim), (ht if output_final_state else None)
-
-
-def _normalised(kernel, x: torch.Tensor) -> torch.Tensor:
-    """``x / |x|`` per row (fp32 math, one rounding), as the kernels' operand dtype."""
-    y = torch.empty_like(x)
-    kernel(x.view(-1, x.shape[-1]), y.view(-1, x.shape[-1]))
-    return y
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,9 +28,19 @@ for step in $steps; do
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
              | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
+    layer) python benchmarks/bench_layer.py --out "$OUT/layer" 2>&1 | grep -v "INFO\|Warning" | tee "$OUT/layer.log" | tail -30 ;;
+    host)  python benchmarks/host_overhead.py 2>&1 | grep -v INFO | tee "$OUT/host.log" | head -45 ;;
+    kbench) python scripts/build_hub.py >/dev/null && python -c "import sys; from kernels.cli import main; \
+             sys.argv = ['kernels', 'benchmark', '.', '--iterations', '30', '--warmup', '5']; sys.exit(main())" 2>&1 \
+             | grep -v INFO | tee "$OUT/kbench.log" | tail -25 ;;
+    ncusrc)
+      ncu --clock-control none -k regex:chunk_forward --launch-count 1 --launch-skip 2 \
+        --section WarpStateStats --section SourceCounters --page source --csv --print-source sass \
+        python benchmarks/profile_forward.py --heads 16x32 --lengths 32768x1 > "$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
+      python benchmarks/ncu_hotspots.py "$OUT/ncu_source.csv" 45 2>&1 | tee "$OUT/ncu_hotspots.log" | head -50 ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
     profile)
-      for cfg in "16x32 4096x8" "2x8 32768x1"; do
+      for cfg in "16x32 4096x8" "16x32 32768x1" "2x8 32768x1"; do
         set -- $cfg
         python benchmarks/profile_forward.py --heads "$1" --lengths "$2" 2>&1 | grep -v INFO | tee -a "$OUT/profile.log" | tail -22
       done ;;

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep  # noqa: E402
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
-from flash_qla_tl.kernels.l2norm import build_l2norm_rows  # noqa: E402
+from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
 from flash_qla_tl.kernels.segment_scan import build_segment_scan  # noqa: E402
 
 QWEN_HEADS = "2x8,4x16,8x32,16x64,16x32,16x48,16x16,32x32"
@@ -34,12 +34,11 @@ def main():
     heads = [tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")]
     flags = list(itertools.product([True, False], repeat=2)) if args.all_flags else [(True, True)]
     print(f"cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')}")
-    for dtype in args.dtypes.split(","):
-        compile_program(build_l2norm_rows, 128, dtype)
     for (hqk, hv), dtype in itertools.product(heads, args.dtypes.split(",")):
         t = time.perf_counter()
+        compile_program(build_inverse_norms, hqk, 128, dtype)
         compile_program(build_chunk_prep, hqk, hv, 128, dtype)
-        line = f"({hqk},{hv}) {dtype}: prep {time.perf_counter() - t:.1f} s"
+        line = f"({hqk},{hv}) {dtype}: norms + prep {time.perf_counter() - t:.1f} s"
         if args.all_flags:  # the flag pairs that context parallelism uses, and its scan
             compile_program(build_segment_scan, hv, 128, 128)
         for has_h0, store_ht in flags:

@@ -9,7 +9,7 @@ import pytest
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.compile import compile_program
-from flash_qla_tl.kernels.l2norm import build_l2norm_rows
+from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.segment_scan import build_segment_scan
 
 
@@ -19,8 +19,8 @@ def test_segment_scan_compiles():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_l2norm_compiles(dtype):
-    source = compile_program(build_l2norm_rows, 128, dtype).get_kernel_source()
+def test_inverse_norms_compiles(dtype):
+    source = compile_program(build_inverse_norms, 2, 128, dtype).get_kernel_source()
     assert "rsqrt" in source
 
 

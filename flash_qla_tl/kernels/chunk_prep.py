@@ -4,9 +4,16 @@ For one chunk of ``n <= C`` tokens (first token ``s``) and one value head:
 
 * ``gamma_r = log2(e) * sum_{j <= r} g_j``: the chunk-local log decay, in base 2
   so that every later gate is a single ``exp2``.
-* ``A = A0 diag(beta)`` with ``A0 = (I + M)^-1``, ``M = strictly_lower(diag(beta) K K^T)``.
+* ``A = A0 diag(beta)`` with ``A0 = (I + M)^-1``, ``M = strictly_lower(diag(beta) Kn Kn^T)``,
+  ``Kn = diag(r) K`` the keys scaled by their inverse norms ``r`` (from
+  inverse_norms, or ones without l2norm), applied in fp32 to the raw Gram matrix.
   ``M`` carries no gate: the gated inverse is ``A0 (.) E`` (DESIGN.md section 2),
-  so the forward kernel applies the decay later with the mask it builds anyway.
+  so the solve never sees ``g`` and the decay is applied afterwards, elementwise.
+* the two GEMM operands the forward's state pass reads straight from HBM, in
+  the tensor-core operand dtype, so that none of this elementwise work lands on
+  its serial chain: ``A_keys = -diag(G) A diag(r)`` (so ``Kbar = -diag(G) A Kn =
+  A_keys K``, ``G = exp2(gamma)``) and ``A_values = A (.) E``
+  (``E[r, j] = exp2(gamma_r - gamma_j)``, ``j <= r``), which multiplies V.
 
 ``I + M`` is unit lower triangular, so ``A0`` needs no division.  It is inverted
 by 16 x 16 blocks, all in fp32 CUDA-core arithmetic: the four diagonal blocks
@@ -30,6 +37,8 @@ contract asks for columns ``j >= n``; their rows are never stored.
 import math
 
 import tilelang.language as T
+
+from .inverse_norms import padded_heads
 
 LOG2_E = math.log2(math.e)
 
@@ -127,11 +136,13 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
     @T.prim_func
     def chunk_prep(
         k: T.Tensor([num_tokens, num_qk_heads, head_dim], dtype),
+        k_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], "float32"),
         g: T.Tensor([num_tokens, num_v_heads], "float32"),
         beta: T.Tensor([num_tokens, num_v_heads], "float32"),
         chunk_bounds: T.Tensor([num_chunks, 2], "int32"),
         gamma: T.Tensor([num_tokens, num_v_heads], "float32"),
-        A: T.Tensor([num_tokens, num_v_heads, C], "float32"),
+        A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
+        A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             # ~80 registers and ~36 KB of shared memory: 6 blocks fit on an SM; more
@@ -140,6 +151,7 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
             k_tile = T.alloc_shared([C, head_dim], dtype)
             beta_tile = T.alloc_shared([C], accum)
             g_tile = T.alloc_shared([C], accum)
+            k_scale = T.alloc_shared([C], accum)  # inverse norms of the keys
             gamma_tile = T.alloc_shared([C], accum)
             gram = T.alloc_fragment([C, C], accum)
             # diag(beta) K K^T; its strictly lower part is M, the rest is never read.
@@ -163,6 +175,7 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
                 for r in T.Parallel(C):
                     beta_tile[r] = T.if_then_else(r < n, beta[s + r, head], T.float32(0))
                     g_tile[r] = T.if_then_else(r < n, g[s + r, head], T.float32(0))
+                    k_scale[r] = T.if_then_else(r < n, k_norm[s + r, qk_head], T.float32(0))
 
                 # Sum in natural log, then change base once: gamma_r = log2(e) * sum_{j<=r} g_j.
                 T.cumsum(src=g_tile, dst=gamma_tile, dim=0)
@@ -172,7 +185,7 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
 
                 T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, C):
-                    M[r, j] = beta_tile[r] * gram[r, j]
+                    M[r, j] = beta_tile[r] * k_scale[r] * k_scale[j] * gram[r, j]
                 T.sync_threads()
 
                 # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
@@ -186,10 +199,16 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
                 off_diagonal_level(M, X, P, acc, thread, 2)
                 off_diagonal_level(M, X, P, acc, thread, 3)
 
-                # A[s + r, head, j] = A0[r, j] * beta_j: zero above the block diagonal
-                # (never written: a select, so stale shared memory cannot leak in).
+                # A[r, j] = A0[r, j] * beta_j is zero above the block diagonal (never
+                # written: a select, so stale shared memory cannot leak in).  E would
+                # overflow above the diagonal, so it is a select too.
                 for r, j in T.Parallel(C, C):
                     if r < n:
-                        A[s + r, head, j] = T.if_then_else(j // B <= r // B, X[r, j] * beta_tile[j], T.float32(0))
+                        a_rj = T.if_then_else(j // B <= r // B, X[r, j] * beta_tile[j], T.float32(0))
+                        A_keys[s + r, head, j] = T.cast(-T.exp2(gamma_tile[r] * LOG2_E) * a_rj * k_scale[j], dtype)
+                        A_values[s + r, head, j] = T.cast(
+                            T.if_then_else(j <= r, a_rj * T.exp2((gamma_tile[r] - gamma_tile[j]) * LOG2_E), T.float32(0)),
+                            dtype,
+                        )
 
     return chunk_prep

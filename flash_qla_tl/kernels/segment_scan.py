@@ -1,16 +1,17 @@
 """Entry states of context-parallel segments: ``S_{i+1} = M_i S_i + h_i`` along each sequence.
 
-One program per (sequence, value head, 32 value columns) walks its sequence's
+One program per (sequence, value head, 8 value columns) walks its sequence's
 segments in order, in fp32 on CUDA cores (tf32 tensor cores would lose
-precision the state keeps everywhere else).  A handful of segments per
-sequence: this is a short, latency-light tail between the passes, and one
-launch instead of a host-side loop of small ones.
+precision the state keeps everywhere else).  Each segment step is a serial
+K-long dot product per output, bound by shared-memory loads, so narrow column
+blocks (more programs, fewer outputs per thread) keep this tail short: it runs
+exactly when few programs fill the GPU.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
 import tilelang.language as T
 
-BLOCK_V = 32
+BLOCK_V = 8
 
 
 def build_segment_scan(num_v_heads: int, head_dim_k: int, head_dim_v: int):
