@@ -112,8 +112,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         ht = (torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht
               else _placeholder_state(hv, kdim, vdim, device))
         kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht)
-        kernel(q, k, q_norm, k_norm, values, gamma, a_keys, a_values, offsets, _placeholder_state(hv, kdim, vdim, device) if h0 is None else h0,
-               scale, out, ht)
+        h0 = _placeholder_state(hv, kdim, vdim, device) if h0 is None else h0
+        kernel(q, k, q_norm, k_norm, values, gamma, a_keys, a_values, offsets, h0, scale, out, ht)
         return ht
 
     h0 = None if initial_state is None else initial_state.float().contiguous()

@@ -153,7 +153,10 @@ def chunked_gated_delta_rule(
     tail = (gamma[..., -1:] - gamma).exp()[..., None] * kc  # decay from each row to the chunk's end
     last = gamma[..., -1].exp()[..., None, None]
 
-    out = torch.zeros_like(vc)
+    # Only the state is carried through positions.  Each position's outputs are kept
+    # and written once at the end: an index_put per position would copy (and, under
+    # autograd, save) the whole output tensor per position.
+    outs, out_ids = [], []
     n_pos = int(pos_of_chunk.max()) + 1 if len(pos_of_chunk) else 0
     for p in range(n_pos):
         ids = (pos_of_chunk == p).nonzero().squeeze(1)
@@ -161,8 +164,12 @@ def chunked_gated_delta_rule(
         ids, seq = ids.to(v.device), seq.to(v.device)
         s = state[seq]
         u = u_free[ids] - w[ids] @ s
-        out = out.index_put((ids,), q_gated[ids] @ s + attn[ids] @ u)
+        outs.append(q_gated[ids] @ s + attn[ids] @ u)
+        out_ids.append(ids)
         state = state.index_put((seq,), last[ids] * s + tail[ids].transpose(-1, -2) @ u)
+    out = torch.zeros_like(vc)
+    if outs:
+        out = out.index_put((torch.cat(out_ids),), torch.cat(outs))
 
     o = torch.zeros(batch * length + 1, hv, vdim, dtype=dtype, device=v.device)
     o = o.index_put((token.reshape(-1),), out.transpose(1, 2).reshape(-1, hv, vdim))
