@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import hopper_forward, reference
+from .chunked_backward import chunked_gated_delta_rule_backward
 from .validation import check_inputs, check_kwargs
 
 
@@ -37,23 +38,13 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the forward for output grads ``do`` and ``dht``.
 
     ``dht`` (the final state's gradient) and ``initial_state`` may be None; ``dh0``
-    is None when ``initial_state`` is.  Today this recomputes the chunked
-    reference under autograd.
+    is None when ``initial_state`` is.  Today this is the chunked backward in
+    PyTorch (``chunked_backward.py``, gradients written out, on the inputs'
+    device); the Hopper backward kernels will take its place for CUDA inputs.
     """
-    inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-    h0 = None if initial_state is None else initial_state.detach().requires_grad_()
-    with torch.enable_grad():
-        o, ht = reference.chunked_gated_delta_rule(
-            *inputs, scale, h0, dht is not None, use_qk_l2norm_in_kernel, cu_seqlens
-        )
-        outputs, grads = [o], [do]
-        if dht is not None:
-            outputs.append(ht)
-            grads.append(dht)
-        wrt = inputs + ([h0] if h0 is not None else [])
-        dx = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
-    dx = [torch.zeros_like(x) if d is None else d for x, d in zip(wrt, dx)]
-    return (*dx[:5], dx[5] if h0 is not None else None)
+    return chunked_gated_delta_rule_backward(
+        q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens
+    )
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):

@@ -10,8 +10,8 @@ Two forms of one operator (DESIGN.md sections 1 and 2), per sequence and value h
   it is the decoding path (a few tokens from a state).
 * :func:`chunked_gated_delta_rule` is the chunked form with chunk 64: all chunks
   of all sequences are solved at once, and only the state is carried through a
-  short loop over chunk positions.  It is the CPU path, and with autograd on it
-  is also the reference backward.
+  short loop over chunk positions.  It is the CPU path; its operands
+  (:class:`Chunks`) also serve the chunked backward (``chunked_backward.py``).
 
 Both take validated inputs in the public layout (``q, k [B, T, Hqk, K]``,
 ``v [B, T, Hv, V]``, ``g, beta [B, T, Hv]``, packed varlen when ``cu_seqlens``
@@ -116,6 +116,59 @@ def _chunk_table(seqs, device):
     return torch.stack(rows).to(device), torch.tensor(seq_of_chunk), torch.tensor(pos_of_chunk)
 
 
+class Chunks:
+    """Every chunk of every sequence as a padded ``[chunks, Hv, 64, ...]`` block, and its operands.
+
+    Padded rows read an appended zero token, so they carry k = v = beta = g = 0 and
+    contribute nothing.  ``token`` maps each row back to its token (the zero token
+    ``batch * length`` for padding); ``seq``/``pos`` give each chunk's sequence and
+    position in it.  The forward walks positions in order; the backward
+    (``chunked_backward.py``) walks them in reverse and reuses these operands.
+    """
+
+    def __init__(self, q, k, v, g, beta, seqs, batch, length):
+        device, dtype = v.device, v.dtype
+        flat = lambda x: torch.cat([x.reshape(batch * length, *x.shape[2:]), x.new_zeros(1, *x.shape[2:])])
+        rows, self.seq, self.pos = _chunk_table(seqs, device)
+        token = torch.tensor([row * length for row, _, _ in seqs], dtype=torch.long, device=device)
+        self.token = torch.where(rows >= 0, rows + token[self.seq.to(device)][:, None], batch * length)
+        gather = lambda x: flat(x)[self.token].transpose(1, 2)  # [C, Hv, 64, ...]
+        self.q, self.k, self.v, self.g, self.beta = (gather(x) for x in (q, k, v, g, beta))
+
+        self.gamma = self.g.cumsum(-1)  # chunk-local log decay, <= 0 and non-increasing
+        causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=device).tril()
+        # E[r, j] = exp(gamma_r - gamma_j) for j <= r: every exponent is <= 0, no overflow.
+        self.decay = torch.where(causal, self.gamma[..., :, None] - self.gamma[..., None, :], -torch.inf).exp()
+        # The solve carries no gate: A0 = (I + M)^-1 with M = strict_lower(diag(beta) K K^T).
+        self.gram = self.k @ self.k.transpose(-1, -2)
+        eye = torch.eye(CHUNK, dtype=dtype, device=device)
+        m = (self.beta[..., :, None] * self.gram).tril(-1)
+        self.a0 = torch.linalg.solve_triangular(eye + m, eye.expand_as(m), upper=False, unitriangular=True)
+        self.gated = self.a0 * self.decay * self.beta[..., None, :]  # (A0 o E) diag(beta)
+        self.u_free = self.gated @ self.v  # the corrected values when the entering state is zero
+        self.k_gated = self.gamma.exp()[..., None] * self.k
+        self.w = self.gated @ self.k_gated  # how the entering state is subtracted
+        self.qk = self.q @ self.k.transpose(-1, -2)
+        self.attn = self.qk * self.decay
+        self.q_gated = self.gamma.exp()[..., None] * self.q
+        self.to_end = (self.gamma[..., -1:] - self.gamma).exp()  # decay from each row to the chunk's end
+        self.tail = self.to_end[..., None] * self.k
+        self.last = self.gamma[..., -1].exp()[..., None, None]
+
+    def positions(self):
+        """``(chunk ids, their sequences)`` of each chunk position, in order."""
+        n_pos = int(self.pos.max()) + 1 if len(self.pos) else 0
+        for p in range(n_pos):
+            ids = (self.pos == p).nonzero().squeeze(1)
+            yield ids.to(self.v.device), self.seq[ids].to(self.v.device)
+
+    def scatter(self, x, batch, length):
+        """``[C, Hv, 64, ...]`` chunk rows back to ``[B, T, Hv, ...]`` tokens (padding rows dropped)."""
+        out = x.new_zeros(batch * length + 1, x.shape[1], *x.shape[3:])
+        out = out.index_put((self.token.reshape(-1),), x.transpose(1, 2).reshape(-1, x.shape[1], *x.shape[3:]))
+        return out[:-1].reshape(batch, length, x.shape[1], *x.shape[3:])
+
+
 def chunked_gated_delta_rule(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, cu_seqlens=None,
@@ -123,55 +176,22 @@ def chunked_gated_delta_rule(
     """Chunked form (DESIGN.md section 2), vectorised over chunks, sequences and heads."""
     dtype = compute_dtype_for(q)
     out_dtype = v.dtype
-    batch, length, hv, vdim = v.shape
+    batch, length = v.shape[:2]
     q, k, v, g, beta, seqs, state = _prepare(
         q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, dtype)
-
-    # Gather every chunk as a padded [chunks, Hv, 64, .] block; padded rows read an appended
-    # zero token, so they carry k = v = beta = g = 0 and contribute nothing.
-    flat = lambda x: torch.cat([x.reshape(batch * length, *x.shape[2:]), x.new_zeros(1, *x.shape[2:])])
-    rows, seq_of_chunk, pos_of_chunk = _chunk_table(seqs, v.device)
-    token = torch.tensor([row * length for row, _, _ in seqs], dtype=torch.long, device=v.device)
-    token = torch.where(rows >= 0, rows + token[seq_of_chunk.to(v.device)][:, None], batch * length)
-    gather = lambda x: flat(x)[token].transpose(1, 2)  # [C, Hv, 64, ...]
-    qc, kc, vc, gc, bc = (gather(x) for x in (q, k, v, g, beta))
-
-    gamma = gc.cumsum(-1)  # chunk-local log decay, <= 0 and non-increasing
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=v.device).tril()
-    # E[r, j] = exp(gamma_r - gamma_j) for j <= r: every exponent is <= 0, no overflow.
-    decay = torch.where(causal, gamma[..., :, None] - gamma[..., None, :], -torch.inf).exp()
-    # The solve carries no gate: A0 = (I + M)^-1 with M = strict_lower(diag(beta) K K^T).
-    gram = kc @ kc.transpose(-1, -2)
-    eye = torch.eye(CHUNK, dtype=dtype, device=v.device)
-    m = (bc[..., :, None] * gram).tril(-1)
-    a0 = torch.linalg.solve_triangular(eye + m, eye.expand_as(m), upper=False, unitriangular=True)
-    gated = a0 * decay * bc[..., None, :]  # (A0 o E) diag(beta)
-    u_free = gated @ vc  # the corrected values when the entering state is zero
-    w = gated @ (gamma.exp()[..., None] * kc)  # how the entering state is subtracted
-    attn = (qc @ kc.transpose(-1, -2)) * decay
-    q_gated = gamma.exp()[..., None] * qc
-    tail = (gamma[..., -1:] - gamma).exp()[..., None] * kc  # decay from each row to the chunk's end
-    last = gamma[..., -1].exp()[..., None, None]
+    c = Chunks(q, k, v, g, beta, seqs, batch, length)
 
     # Only the state is carried through positions.  Each position's outputs are kept
     # and written once at the end: an index_put per position would copy (and, under
     # autograd, save) the whole output tensor per position.
     outs, out_ids = [], []
-    n_pos = int(pos_of_chunk.max()) + 1 if len(pos_of_chunk) else 0
-    for p in range(n_pos):
-        ids = (pos_of_chunk == p).nonzero().squeeze(1)
-        seq = seq_of_chunk[ids]
-        ids, seq = ids.to(v.device), seq.to(v.device)
+    for ids, seq in c.positions():
         s = state[seq]
-        u = u_free[ids] - w[ids] @ s
-        outs.append(q_gated[ids] @ s + attn[ids] @ u)
+        u = c.u_free[ids] - c.w[ids] @ s
+        outs.append(c.q_gated[ids] @ s + c.attn[ids] @ u)
         out_ids.append(ids)
-        state = state.index_put((seq,), last[ids] * s + tail[ids].transpose(-1, -2) @ u)
-    out = torch.zeros_like(vc)
+        state = state.index_put((seq,), c.last[ids] * s + c.tail[ids].transpose(-1, -2) @ u)
+    out = torch.zeros_like(c.v)
     if outs:
         out = out.index_put((torch.cat(out_ids),), torch.cat(outs))
-
-    o = torch.zeros(batch * length + 1, hv, vdim, dtype=dtype, device=v.device)
-    o = o.index_put((token.reshape(-1),), out.transpose(1, 2).reshape(-1, hv, vdim))
-    o = o[:-1].reshape(batch, length, hv, vdim)
-    return o.to(out_dtype), (state if output_final_state else None)
+    return c.scatter(out, batch, length).to(out_dtype), (state if output_final_state else None)

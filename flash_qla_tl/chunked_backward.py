@@ -1,0 +1,125 @@
+"""The chunked backward in PyTorch, with the gradients written out: the specification of the backward kernels.
+
+Per chunk (``reference.Chunks`` holds every operand; ``S`` is the state entering
+the chunk, ``S'`` the one leaving it, ``D`` the causal decay ``exp(gamma_r - gamma_j)``,
+``Gd = (A0 o D) diag(beta)``)::
+
+    U  = Gd V - Gd diag(e^gamma) K S                 (u_free - W S)
+    O  = diag(e^gamma) Q S + ((Q K^T) o D) U         (q_gated S + attn U)
+    S' = e^gamma_last S + K^T diag(e^(gamma_last - gamma)) U
+
+Reverse over chunk positions, only the state gradient is carried::
+
+    dU = attn^T dO + tail dS'
+    dS = q_gated^T dO + e^gamma_last dS' - W^T dU
+
+Everything else is local to a chunk, for all chunks at once: the products'
+gradients, then ``A0 = (I + M)^-1`` (``dM = -A0^T dA0 A0^T`` on the strictly
+lower part), ``M = strict_lower(diag(beta) K K^T)``, the decays, and finally
+``g`` from ``gamma`` by a reversed cumulative sum within the chunk.  The l2norm,
+the scale, the value-head grouping and the dtypes go through autograd on
+``reference._prepare``, which is elementwise.
+
+Nothing here is saved between forward and backward except the inputs: the
+states entering each chunk are recomputed (one forward walk), as the kernels
+will do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import Chunks, _prepare, compute_dtype_for
+
+
+def chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
+                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` for the output gradient ``do`` and final-state gradient ``dht``.
+
+    Arguments as ``api.chunk_gated_delta_rule_bwd``: validated inputs, ``dht`` and
+    ``initial_state`` may be None; ``dh0`` is None when ``initial_state`` is.
+    """
+    dtype = compute_dtype_for(q)
+    batch, length = v.shape[:2]
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+    h0 = None if initial_state is None else initial_state.detach().requires_grad_()
+    with torch.enable_grad():
+        prepared = _prepare(*leaves, scale, h0, use_qk_l2norm_in_kernel, cu_seqlens, dtype)
+    pq, pk, pv, pg, pbeta, seqs, state0 = prepared
+
+    with torch.no_grad():
+        c = Chunks(pq.detach(), pk.detach(), pv.detach(), pg.detach(), pbeta.detach(), seqs, batch, length)
+        positions = list(c.positions())
+        t = lambda x: x.transpose(-1, -2)
+
+        # Forward walk: the state entering every chunk, and U.
+        state = state0.detach().clone()
+        s_in = c.k.new_zeros(*c.k.shape[:2], c.k.shape[-1], c.v.shape[-1])
+        u = torch.zeros_like(c.v)
+        for ids, seq in positions:
+            s = state[seq]
+            s_in[ids] = s
+            u[ids] = c.u_free[ids] - c.w[ids] @ s
+            state = state.index_put((seq,), c.last[ids] * s + t(c.tail[ids]) @ u[ids])
+
+        # Reverse walk: dU, and the gradient of the state leaving every chunk.
+        flat_do = torch.cat([do.to(dtype).reshape(batch * length, *do.shape[2:]), do.new_zeros(1, *do.shape[2:]).to(dtype)])
+        d_out = flat_do[c.token].transpose(1, 2)  # [C, Hv, 64, V]
+        d_state = torch.zeros_like(state) if dht is None else dht.to(dtype).clone()
+        d_u = torch.zeros_like(c.v)
+        ds_out = torch.zeros_like(s_in)
+        for ids, seq in reversed(positions):
+            ds_next = d_state[seq]
+            ds_out[ids] = ds_next
+            d_u[ids] = t(c.attn[ids]) @ d_out[ids] + c.tail[ids] @ ds_next
+            ds = t(c.q_gated[ids]) @ d_out[ids] + c.last[ids] * ds_next - t(c.w[ids]) @ d_u[ids]
+            d_state = d_state.index_put((seq,), ds)
+        dh0 = d_state
+
+        # Local gradients, every chunk at once.
+        e_gamma = c.gamma.exp()
+        d_attn = d_out @ t(u)
+        d_q_gated = d_out @ t(s_in)
+        d_tail = u @ t(ds_out)
+        d_last = (s_in * ds_out).sum((-1, -2))
+        d_w = -d_u @ t(s_in)
+
+        d_qk = d_attn * c.decay
+        d_decay = d_attn * c.qk
+        dq = d_qk @ c.k + e_gamma[..., None] * d_q_gated
+        dk = t(d_qk) @ c.q + c.to_end[..., None] * d_tail
+        d_gamma = e_gamma * (c.q * d_q_gated).sum(-1)
+        to_end_grad = c.to_end * (c.k * d_tail).sum(-1)  # d/d(gamma_last - gamma_r)
+        d_gamma = d_gamma - to_end_grad
+        d_gamma_last = to_end_grad.sum(-1) + c.last[..., 0, 0] * d_last
+
+        d_gated = d_u @ t(c.v) + d_w @ t(c.k_gated)
+        dv = t(c.gated) @ d_u
+        d_k_gated = t(c.gated) @ d_w
+        dk = dk + e_gamma[..., None] * d_k_gated
+        d_gamma = d_gamma + e_gamma * (c.k * d_k_gated).sum(-1)
+
+        d_a0 = d_gated * c.decay * c.beta[..., None, :]
+        d_decay = d_decay + d_gated * c.a0 * c.beta[..., None, :]
+        d_beta = (d_gated * c.a0 * c.decay).sum(-2)
+        d_m = -(t(c.a0) @ d_a0 @ t(c.a0)).tril(-1)
+        d_beta = d_beta + (d_m * c.gram).sum(-1)
+        d_gram = c.beta[..., :, None] * d_m
+        dk = dk + (d_gram + t(d_gram)) @ c.k
+
+        # D[r, j] = exp(gamma_r - gamma_j) below and on the diagonal, 0 above.
+        d_exponent = d_decay * c.decay
+        d_gamma = d_gamma + d_exponent.sum(-1) - d_exponent.sum(-2)
+        d_gamma[..., -1] += d_gamma_last
+        dg = d_gamma.flip(-1).cumsum(-1).flip(-1)
+
+        grads = [c.scatter(x, batch, length) for x in (dq, dk, dv)]
+        grads += [c.scatter(x[..., None], batch, length)[..., 0] for x in (dg, d_beta)]
+
+    outputs, grad_outputs = [pq, pk, pv, pg, pbeta], grads
+    if h0 is not None:
+        outputs.append(state0)
+        grad_outputs.append(dh0)
+    torch.autograd.backward(outputs, grad_outputs)
+    dx = [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
+    return (*dx, None if h0 is None else h0.grad)
