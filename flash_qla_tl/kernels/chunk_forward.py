@@ -138,7 +138,7 @@ def build_chunk_forward(
             # The chain's tensor-core operands.
             state_op = T.alloc_shared([K, block_v], dtype)  # S
             u_op = T.alloc_shared([C, block_v], dtype)  # U
-            u_decayed_op = T.alloc_shared([C, block_v], dtype)  # diag(exp2(gamma_last - gamma)) U
+            u_decayed_op = T.alloc_shared([C, block_v], dtype)  # diag(exp2(gamma_last - gamma) rk) U
 
             state = T.alloc_fragment([K, block_v], accum)
             u = T.alloc_fragment([C, block_v], accum)
@@ -182,7 +182,7 @@ def build_chunk_forward(
                     for i, j in T.Parallel(C, block_v):
                         out[i, j] = out[i, j] * out_gate[st, i]
 
-                    # Round 2: O += P U;  S += K^T diag(exp2(gamma_last - gamma)) U.
+                    # Round 2: O += P U;  S += K^T diag(exp2(gamma_last - gamma) rk) U.
                     T.wgmma_gemm(p_op[st, :, :], u_op, out)
                     T.wgmma_gemm(k_tile[st, :, :], u_decayed_op, state, transpose_A=True)
                     T.wait_wgmma(0)
