@@ -41,7 +41,7 @@ LENGTHS = {
     "24576+8192": [24576, 8192], "8192x4": [8192] * 4, "4096x8": [4096] * 8, "1024x8": [1024] * 8,
 }
 D = 128
-FLOP_PER_TOKEN_HEAD = 176e3
+FLOP_PER_TOKEN_HEAD = 176e3  # forward, DESIGN.md section 4
 
 
 def peers() -> dict:
@@ -81,10 +81,10 @@ def measure_ceilings() -> dict:
     return {"bytes_per_s": 2 * src.numel() * 4 / (copy_ms * 1e-3), "flop_per_s": 2 * 8192 ** 3 / (gemm_ms * 1e-3)}
 
 
-def floor_ns_per_token_head(hqk, hv, ceilings) -> float:
+def floor_ns_per_token_head(hqk, hv, ceilings, flop_per_token_head=FLOP_PER_TOKEN_HEAD) -> float:
     bytes_per_token = 2 * hqk * D * 2 + 2 * hv * D * 2 + hv * 8  # q, k, v in, o out (bf16); g, beta fp32
     byte_ns = bytes_per_token / hv / ceilings["bytes_per_s"] * 1e9
-    flop_ns = FLOP_PER_TOKEN_HEAD / ceilings["flop_per_s"] * 1e9
+    flop_ns = flop_per_token_head / ceilings["flop_per_s"] * 1e9
     return max(byte_ns, flop_ns)
 
 
@@ -143,7 +143,7 @@ def markdown(rows, meta) -> str:
     return stamp + "\n\n" + "\n".join(lines) + "\n"
 
 
-def chart(rows, path, meta):
+def chart(rows, path, meta, title="GDN forward"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -157,36 +157,49 @@ def chart(rows, path, meta):
         ax.bar([j + i * width for j in range(len(rows))], ys, width, label=lib)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, rotation=90, fontsize=6)
     ax.set_ylabel("ns per token-head (lower is better)")
-    ax.set_title(f"GDN forward, {meta['gpu']}, {meta['date']}", fontsize=9)
+    ax.set_title(f"{title}, {meta['gpu']}, {meta['date']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def cli(doc: str) -> argparse.Namespace:
+    """The options every grid benchmark here takes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--quick", action="store_true", help="a few rows only")
     p.add_argument("--heads", help="comma-separated HqkxHv to run (default: the whole grid)")
-    args = p.parse_args()
-    heads = HEADS if not args.heads else [tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")]
-    grid = [(h, item) for h in heads for item in LENGTHS.items()]
-    if args.quick:
-        grid = [g for g in grid if g[0] in ((2, 8), (16, 32)) and g[1][0] in ("1x32768", "4096x8")]
+    return p.parse_args()
+
+
+def parse_heads(arg: str | None, default: list) -> list:
+    return default if not arg else [tuple(int(x) for x in h.split("x")) for h in arg.split(",")]
+
+
+def drive(kind: str, grid: list, run, out: Path):
+    """Measure ``grid`` with ``run`` against the peers; write ``<kind>.json/.md/.png`` under ``out``."""
     libs = peers()
     ceilings = measure_ceilings()
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "command": "python " + " ".join(sys.argv), "ceilings": ceilings, **versions()}
     print(json.dumps(meta))
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
 
     def save(rows):
-        (args.out / "forward.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (args.out / "forward.md").write_text(markdown(rows, meta))
+        (out / f"{kind}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (out / f"{kind}.md").write_text(markdown(rows, meta))
 
     rows = run(grid, libs, ceilings, save)
-    chart(rows, args.out / "forward.png", meta)
+    chart(rows, out / f"{kind}.png", meta, title=f"GDN {kind}")
     print(markdown(rows, meta))
+
+
+def main():
+    args = cli(__doc__)
+    grid = [(h, item) for h in parse_heads(args.heads, HEADS) for item in LENGTHS.items()]
+    if args.quick:
+        grid = [g for g in grid if g[0] in ((2, 8), (16, 32)) and g[1][0] in ("1x32768", "4096x8")]
+    drive("forward", grid, run, args.out)
 
 
 if __name__ == "__main__":

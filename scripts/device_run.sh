@@ -28,6 +28,8 @@ for step in $steps; do
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
              | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
+    bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
+             | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
     layer) python benchmarks/bench_layer.py --out "$OUT/layer" 2>&1 | grep -v "INFO\|Warning" | tee "$OUT/layer.log" | tail -30 ;;
     host)  python benchmarks/host_overhead.py 2>&1 | grep -v INFO | tee "$OUT/host.log" | head -45 ;;
     kbench) python scripts/build_hub.py >/dev/null && python -c "import sys; from kernels.cli import main; \
