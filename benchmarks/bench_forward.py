@@ -176,6 +176,22 @@ def parse_heads(arg: str | None, default: list) -> list:
     return default if not arg else [tuple(int(x) for x in h.split("x")) for h in arg.split(",")]
 
 
+def single_problem(doc: str, heads: str, lengths: str, add_options=None):
+    """For one-shape tools: parse ``--heads HqkxHv --lengths LENxCOUNT`` (and ``add_options``'s).
+
+    Returns the options, ``(hqk, hv)`` and the problem (``make_problem``'s inputs).
+    """
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", default=heads, help="HqkxHv")
+    p.add_argument("--lengths", default=lengths, help="LENxCOUNT")
+    if add_options:
+        add_options(p)
+    args = p.parse_args()
+    (hqk, hv), = parse_heads(args.heads, [])
+    length, count = (int(x) for x in args.lengths.split("x"))
+    return args, (hqk, hv), make_problem(hqk, hv, [length] * count)
+
+
 def drive(kind: str, grid: list, run, out: Path):
     """Measure ``grid`` with ``run`` against the peers; write ``<kind>.json/.md/.png`` under ``out``."""
     libs = peers()

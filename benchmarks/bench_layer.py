@@ -43,7 +43,7 @@ SHAPE = dict(hidden_size=4096, linear_num_key_heads=16, linear_num_value_heads=3
              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
 # Environment of each column; None removes the variable.
 VARIANTS = {
-    "flash-qla-tl": {"FLA_FLASH_QLA": "0"},
+    "flash-qla-tl": {},
     "transformers+fla": {"FLA_FLASH_QLA": "0"},
     "transformers+fla->flash-qla": {"FLA_FLASH_QLA": None},
 }

@@ -7,7 +7,6 @@ synchronises, so host work overlaps the GPU's), then the functions that take the
 host's time (cProfile, cumulative).
 """
 
-import argparse
 import cProfile
 import pstats
 import sys
@@ -17,21 +16,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_forward import make_problem  # noqa: E402
+from bench_forward import single_problem  # noqa: E402
 from timing import time_ms  # noqa: E402
 
 import flash_qla_tl  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--heads", default="2x8")
-    p.add_argument("--lengths", default="2048x1", help="LENxCOUNT")
-    p.add_argument("--calls", type=int, default=200)
-    args = p.parse_args()
-    hqk, hv = (int(x) for x in args.heads.split("x"))
-    length, count = (int(x) for x in args.lengths.split("x"))
-    x = make_problem(hqk, hv, [length] * count)
+    args, (hqk, hv), x = single_problem(
+        __doc__, "2x8", "2048x1", lambda p: p.add_argument("--calls", type=int, default=200))
     call = lambda: flash_qla_tl.chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     print(f"({hqk},{hv}) {args.lengths}: {time_ms(call):.3f} ms per call (CUDA events, median)")
     torch.cuda.synchronize()

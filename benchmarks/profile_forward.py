@@ -3,7 +3,6 @@
     python benchmarks/profile_forward.py --heads 16x32 --lengths 4096x8
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -11,20 +10,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_forward import make_problem  # noqa: E402
+from bench_forward import single_problem  # noqa: E402
 
 import flash_qla_tl  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--heads", default="16x32")
-    p.add_argument("--lengths", default="4096x8", help="LENxCOUNT")
-    p.add_argument("--l2norm", type=int, default=1)
-    args = p.parse_args()
-    hqk, hv = (int(x) for x in args.heads.split("x"))
-    length, count = (int(x) for x in args.lengths.split("x"))
-    x = make_problem(hqk, hv, [length] * count)
+    args, (hqk, hv), x = single_problem(
+        __doc__, "16x32", "4096x8", lambda p: p.add_argument("--l2norm", type=int, default=1))
     call = lambda: flash_qla_tl.chunk_gated_delta_rule(**x, output_final_state=True,
                                                        use_qk_l2norm_in_kernel=bool(args.l2norm))
     for _ in range(3):

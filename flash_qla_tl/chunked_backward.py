@@ -16,9 +16,10 @@ Reverse over chunk positions, only the state gradient is carried::
 Everything else is local to a chunk, for all chunks at once: the products'
 gradients, then ``A0 = (I + M)^-1`` (``dM = -A0^T dA0 A0^T`` on the strictly
 lower part), ``M = strict_lower(diag(beta) K K^T)``, the decays, and finally
-``g`` from ``gamma`` by a reversed cumulative sum within the chunk.  The l2norm,
-the scale, the value-head grouping and the dtypes go through autograd on
-``reference._prepare``, which is elementwise.
+``g`` from ``gamma`` by a reversed cumulative sum within the chunk.  Last, what
+``reference._prepare`` did to q and k is undone: the value-head grouping (a sum
+over each group), the scale, and the l2norm (``dx = r (dxn - xn <xn, dxn>)``).
+No autograd is involved.
 
 Nothing here is saved between forward and backward except the inputs: the
 states entering each chunk are recomputed (one forward walk), as the kernels
@@ -29,7 +30,15 @@ from __future__ import annotations
 
 import torch
 
-from .reference import Chunks, _prepare, compute_dtype_for
+from .reference import L2NORM_EPS, Chunks, _prepare, compute_dtype_for, query_scale
+
+
+def _l2norm_backward(x: torch.Tensor, d_normalised: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``x / sqrt(sum(x^2) + eps)`` (last dim) for the normalised rows' gradient."""
+    x = x.to(d_normalised.dtype)
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    xn = x * r
+    return r * (d_normalised - xn * (xn * d_normalised).sum(-1, keepdim=True))
 
 
 def chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
@@ -41,19 +50,15 @@ def chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do
     """
     dtype = compute_dtype_for(q)
     batch, length = v.shape[:2]
-    leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-    h0 = None if initial_state is None else initial_state.detach().requires_grad_()
-    with torch.enable_grad():
-        prepared = _prepare(*leaves, scale, h0, use_qk_l2norm_in_kernel, cu_seqlens, dtype)
-    pq, pk, pv, pg, pbeta, seqs, state0 = prepared
-
     with torch.no_grad():
-        c = Chunks(pq.detach(), pk.detach(), pv.detach(), pg.detach(), pbeta.detach(), seqs, batch, length)
+        pq, pk, pv, pg, pbeta, seqs, state0 = _prepare(
+            q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, dtype)
+        c = Chunks(pq, pk, pv, pg, pbeta, seqs, batch, length)
         positions = list(c.positions())
         t = lambda x: x.transpose(-1, -2)
 
         # Forward walk: the state entering every chunk, and U.
-        state = state0.detach().clone()
+        state = state0
         s_in = c.k.new_zeros(*c.k.shape[:2], c.k.shape[-1], c.v.shape[-1])
         u = torch.zeros_like(c.v)
         for ids, seq in positions:
@@ -113,13 +118,14 @@ def chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do
         d_gamma[..., -1] += d_gamma_last
         dg = d_gamma.flip(-1).cumsum(-1).flip(-1)
 
-        grads = [c.scatter(x, batch, length) for x in (dq, dk, dv)]
-        grads += [c.scatter(x[..., None], batch, length)[..., 0] for x in (dg, d_beta)]
+        dq, dk, dv = (c.scatter(x, batch, length) for x in (dq, dk, dv))
+        dg, d_beta = (c.scatter(x[..., None], batch, length)[..., 0] for x in (dg, d_beta))
 
-    outputs, grad_outputs = [pq, pk, pv, pg, pbeta], grads
-    if h0 is not None:
-        outputs.append(state0)
-        grad_outputs.append(dh0)
-    torch.autograd.backward(outputs, grad_outputs)
-    dx = [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
-    return (*dx, None if h0 is None else h0.grad)
+        # Undo _prepare: value heads -> their q/k head, the scale, the l2norm.
+        group = v.shape[2] // q.shape[2]
+        dq, dk = (x.unflatten(2, (q.shape[2], group)).sum(3) for x in (dq, dk))
+        dq = dq * query_scale(scale, q.shape[-1])
+        if use_qk_l2norm_in_kernel:
+            dq, dk = _l2norm_backward(q, dq), _l2norm_backward(k, dk)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), d_beta.to(beta.dtype),
+            None if initial_state is None else dh0.to(initial_state.dtype))

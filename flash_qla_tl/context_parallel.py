@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from . import planning
+
 CHUNK = 64
 MIN_SEGMENTS = 4  # three passes must buy at least 4x the parallelism
 MIN_SEGMENT_TOKENS = 1024  # shorter segments make the scan dominate
@@ -55,14 +57,6 @@ def segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int):
     count; unused entries are empty segments at the end), and per sequence the
     index of its first segment and its number of segments.
     """
-    num_seqs = cu_seqlens.numel() - 1
-    cu = cu_seqlens.to(torch.int64)
-    num_segments = (cu[1:] - cu[:-1] + seg_len - 1) // seg_len
-    first_segment = torch.cumsum(num_segments, 0) - num_segments
-    seg = torch.arange(-(-total_tokens // seg_len) + num_seqs, device=cu.device)
-    seq = torch.searchsorted(first_segment + num_segments, seg, right=True)
-    real = seq < num_seqs
-    seq = seq.clamp(max=num_seqs - 1)
-    start = torch.where(real, cu[seq] + (seg - first_segment[seq]) * seg_len, cu[-1])
-    seg_cu = torch.cat([start, cu[-1:]]).to(torch.int32)
+    start, _, first_segment, num_segments = planning.split_sequences(cu_seqlens, total_tokens, seg_len)
+    seg_cu = torch.cat([start, cu_seqlens[-1:].to(torch.int64)]).to(torch.int32)
     return seg_cu, first_segment.to(torch.int32), num_segments.to(torch.int32)

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from . import context_parallel, planning
+from . import context_parallel, planning, reference
 
 HEAD_DIM = 128
 GAMMA_HEADS_PER_LOAD = 4  # chunk_forward loads the gates of 4 heads per TMA box (16 bytes wide)
@@ -99,7 +99,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     else:
         cu_seqlens = cu_seqlens.to(torch.int32)
         bounds = planning.chunk_bounds(cu_seqlens, total)
-    scale = kdim ** -0.5 if scale is None else float(scale)
+    scale = reference.query_scale(scale, kdim)
 
     gamma = torch.empty(total, hv, dtype=torch.float32, device=device)
     a_keys, a_values = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) for _ in range(2))

@@ -27,21 +27,33 @@ def dense_tables(batch: int, length: int, device: torch.device) -> tuple[torch.T
     return cu, chunk_bounds(cu, batch * length)
 
 
-def chunk_bounds(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """``[U, 2]`` int32 (first token, end token) of every chunk, in sequence order.
+def split_sequences(cu_seqlens: torch.Tensor, total_tokens: int, size: int):
+    """Cut every sequence into pieces of ``size`` tokens (the last one shorter), in sequence order.
 
-    ``U = ceil(T / 64) + N`` bounds the chunk count (each sequence adds at most one
-    partial chunk); entries past the real count are ``(0, 0)``: empty chunks.
+    The number of pieces is bounded from shapes alone, ``ceil(T / size) + N`` (each
+    sequence adds at most one partial piece).  Returns ``(start, end, first, count)``:
+    the token range of every piece slot (slots past the real pieces are the empty
+    range at ``cu_seqlens[-1]``), and per sequence the index of its first piece and
+    its number of pieces, all int64.
     """
     num_seqs = cu_seqlens.numel() - 1
     cu = cu_seqlens.to(torch.int64)
-    per_seq = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
-    first_chunk = torch.cumsum(per_seq, 0) - per_seq  # index of each sequence's first chunk
-    chunk = torch.arange((total_tokens + CHUNK - 1) // CHUNK + num_seqs, device=cu.device)
-    seq = torch.searchsorted(first_chunk + per_seq, chunk, right=True)
+    count = (cu[1:] - cu[:-1] + size - 1) // size
+    first = torch.cumsum(count, 0) - count
+    piece = torch.arange(-(-total_tokens // size) + num_seqs, device=cu.device)
+    seq = torch.searchsorted(first + count, piece, right=True)
     real = seq < num_seqs
     seq = seq.clamp(max=num_seqs - 1)
-    first = cu[seq] + (chunk - first_chunk[seq]) * CHUNK
-    end = torch.minimum(first + CHUNK, cu[seq + 1])
-    bounds = torch.stack([first, end], 1) * real[:, None]
-    return bounds.to(torch.int32)
+    start = torch.where(real, cu[seq] + (piece - first[seq]) * size, cu[-1])
+    end = torch.where(real, torch.minimum(start + size, cu[seq + 1]), cu[-1])
+    return start, end, first, count
+
+
+def chunk_bounds(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """``[U, 2]`` int32 (first token, end token) of every chunk, in sequence order.
+
+    ``U = ceil(T / 64) + N`` bounds the chunk count; entries past the real count
+    are ``(0, 0)``: empty chunks.
+    """
+    start, end, _, _ = split_sequences(cu_seqlens, total_tokens, CHUNK)
+    return (torch.stack([start, end], 1) * (end > start)[:, None]).to(torch.int32)

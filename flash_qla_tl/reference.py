@@ -46,6 +46,11 @@ def sequence_bounds(batch: int, length: int, cu_seqlens: torch.Tensor | None) ->
     return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
 
+def query_scale(scale, head_dim_k: int) -> float:
+    """The scale applied to q: ``scale``, or ``K ** -0.5`` when it is None."""
+    return head_dim_k ** -0.5 if scale is None else float(scale)
+
+
 def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, dtype):
     """Everything both forms start from, in the compute dtype.
 
@@ -61,14 +66,12 @@ def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu
     group = hv // q.shape[2]
     if group > 1:
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
-    if scale is None:
-        scale = kdim ** -0.5
     seqs = sequence_bounds(batch, length, cu_seqlens)
     if initial_state is None:
         state = torch.zeros(len(seqs), hv, kdim, vdim, dtype=dtype, device=v.device)
     else:
         state = initial_state.to(dtype, copy=True)
-    return q * scale, k, v, g, beta, seqs, state
+    return q * query_scale(scale, kdim), k, v, g, beta, seqs, state
 
 
 def recurrent_gated_delta_rule(

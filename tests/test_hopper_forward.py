@@ -101,14 +101,26 @@ def test_long_packed_varlen():
     _check(_inputs(seqs=seqs, initial_state=True), l2norm=True)
 
 
-@pytest.mark.parametrize("shape", [dict(kdim=64, vdim=64), dict(hqk=1, hv=2, kdim=D, vdim=D)],
-                         ids=["head dim 64", "2 value heads"])
-def test_unsupported_shapes_run_the_reference(shape):
-    x = make_inputs(length=100, dtype=torch.bfloat16, device="cuda", **shape)
+@pytest.mark.parametrize("shape", [dict(kdim=64, vdim=64), dict(hqk=1, hv=2, kdim=D, vdim=D),
+                                   dict(kdim=D, vdim=D, hv=8, dtype=torch.float32)],
+                         ids=["head dim 64", "2 value heads", "fp32"])
+def test_unsupported_inputs_run_the_reference(shape):
+    x = make_inputs(**{"length": 100, "dtype": torch.bfloat16, "device": "cuda", **shape})
     assert fq.forward_backend(x["q"], x["k"], x["v"]) == "reference"
     o, _ = fq.chunk_gated_delta_rule(**x, use_qk_l2norm_in_kernel=True)
     o_ref, _ = reference.chunked_gated_delta_rule(**{n: t.double() if t.is_floating_point() else t
                                                      for n, t in x.items()}, use_qk_l2norm_in_kernel=True)
+    assert rel_rms(o, o_ref) <= TOL
+
+
+def test_other_gpus_run_the_reference(monkeypatch):
+    from flash_qla_tl import hopper_forward
+
+    monkeypatch.setattr(hopper_forward, "_is_hopper", lambda device_index: False)
+    x = _inputs(length=100)
+    assert fq.forward_backend(x["q"], x["k"], x["v"]) == "reference"
+    o, _ = fq.chunk_gated_delta_rule(**x)
+    o_ref, _ = reference.chunked_gated_delta_rule(**{n: t.double() for n, t in x.items()})
     assert rel_rms(o, o_ref) <= TOL
 
 

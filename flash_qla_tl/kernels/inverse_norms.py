@@ -4,8 +4,9 @@
 kernels never read a normalised copy of q or k: they feed the raw rows (exact in
 their dtype) to the tensor cores and apply ``r`` as an fp32 row or column scale
 around the GEMMs.  A normalised copy rounded back to bf16 would put one
-rounding per element into every product with q and k, and that rounding
-dominates the error of long sequences without decay.
+rounding per element into every product with q and k; for a long sequence
+without decay that rounding is the largest single error term
+(``scripts/emulate_roundings.py``, a float64 emulation on the CPU).
 
 The output is ``[T, HN]`` with ``HN`` = H rounded up to a multiple of 4 (columns
 past H are not written): the forward loads a chunk's norms by TMA in boxes of 4

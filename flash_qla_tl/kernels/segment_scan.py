@@ -3,9 +3,11 @@
 One program per (sequence, value head, 8 value columns) walks its sequence's
 segments in order, in fp32 on CUDA cores (tf32 tensor cores would lose
 precision the state keeps everywhere else).  Each segment step is a serial
-K-long dot product per output, bound by shared-memory loads, so narrow column
-blocks (more programs, fewer outputs per thread) keep this tail short: it runs
-exactly when few programs fill the GPU.
+K-long dot product per output, bound by shared-memory loads, so the column
+blocks are narrow: more programs and fewer outputs per thread, since the scan
+runs exactly when few programs fill the GPU.  (The scan took 306 us for (2, 8)
+and one 32K-token sequence with 32-column blocks on an H200; the 8-column form
+was not profiled on its own.)
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.

@@ -10,7 +10,6 @@ signature and conventions (q, k [B, T, Hqk, K], v [B, T, Hv, V], g and beta
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -25,27 +24,11 @@ from .flash_qla_tl import fused_recurrent_gated_delta_rule as _recurrent_forward
 from .flash_qla_tl.reference import compute_dtype_for
 from .flash_qla_tl.validation import check_inputs, check_kwargs
 
+
 def _absent_like(x: Tensor) -> Tensor:
     # Custom ops cannot return None: an absent tensor (final state not asked
     # for, no initial state to differentiate) travels as an empty tensor.
     return x.new_empty(0)
-
-
-@contextlib.contextmanager
-def _autograd_recording():
-    """Let autograd record inside a custom op's body.
-
-    PyTorch runs custom-op bodies with the autograd dispatch keys excluded, but
-    the library's backward still recomputes its PyTorch reference under
-    autograd.  Re-including those keys (private API, no public equivalent)
-    keeps that working until the library's backward is a kernel of its own.
-    """
-    keys = torch._C.DispatchKey
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
-        excluded = excluded.remove(key)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
-        yield
 
 
 def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
@@ -107,10 +90,9 @@ def _register(name: str, forward: Callable) -> Callable:
         use_qk_l2norm_in_kernel: bool,
         cu_seqlens: Optional[Tensor],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        with _autograd_recording():
-            *grads, dh0 = chunk_gated_delta_rule_bwd(
-                q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens
-            )
+        *grads, dh0 = chunk_gated_delta_rule_bwd(
+            q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens
+        )
         # Contiguous, as the fake implementation promises.
         return (*(d.contiguous() for d in grads), _absent_like(q) if dh0 is None else dh0.contiguous())
 
