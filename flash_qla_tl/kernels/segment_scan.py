@@ -5,9 +5,10 @@ segments in order, in fp32 on CUDA cores (tf32 tensor cores would lose
 precision the state keeps everywhere else).  Each segment step is a serial
 K-long dot product per output, bound by shared-memory loads, so the column
 blocks are narrow: more programs and fewer outputs per thread, since the scan
-runs exactly when few programs fill the GPU.  (The scan took 306 us for (2, 8)
-and one 32K-token sequence with 32-column blocks on an H200; the 8-column form
-was not profiled on its own.)
+runs exactly when few programs fill the GPU.  (With 32-column blocks the scan
+took 306 us for (2, 8) and one 32K-token sequence: H200, 2026-11-22, torch
+2.11.0+cu130, tilelang 0.1.15, ``bash scripts/device_run.sh profile``; the
+8-column form was not profiled on its own.)
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
