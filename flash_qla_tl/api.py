@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import hopper_forward, reference
+from . import hopper_backward, hopper_forward, reference
 from .chunked_backward import chunked_gated_delta_rule_backward
 from .validation import check_inputs, check_kwargs
 
@@ -38,13 +38,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the forward for output grads ``do`` and ``dht``.
 
     ``dht`` (the final state's gradient) and ``initial_state`` may be None; ``dh0``
-    is None when ``initial_state`` is.  Today this is the chunked backward in
-    PyTorch (``chunked_backward.py``, gradients written out, on the inputs'
-    device); the Hopper backward kernels will take its place for CUDA inputs.
+    is None when ``initial_state`` is.  Where the forward runs the Hopper kernels,
+    so does the backward's sequential part (``hopper_backward.py``); the gradients
+    local to each chunk, and every other device, use the chunked backward in
+    PyTorch (``chunked_backward.py``, gradients written out).
     """
-    return chunked_gated_delta_rule_backward(
-        q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens
-    )
+    backward = (hopper_backward.chunk_backward if forward_backend(q, k, v) == "hopper"
+                else chunked_gated_delta_rule_backward)
+    return backward(q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):

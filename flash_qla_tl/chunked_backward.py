@@ -41,12 +41,42 @@ def _l2norm_backward(x: torch.Tensor, d_normalised: torch.Tensor) -> torch.Tenso
     return r * (d_normalised - xn * (xn * d_normalised).sum(-1, keepdim=True))
 
 
+def torch_walks(c: Chunks, state0: torch.Tensor, d_out: torch.Tensor, dht: torch.Tensor | None):
+    """The two sequential walks in PyTorch: ``(s_in, ds_out, d_u, dh0)``.
+
+    ``s_in`` is the state entering every chunk, ``ds_out`` the gradient of the one
+    leaving it, ``d_u`` the gradient of U (all ``[chunks, Hv, ...]``), ``dh0`` that of
+    the initial states.  The Hopper backward runs the same walks as kernels.
+    """
+    t = lambda x: x.transpose(-1, -2)
+    positions = list(c.positions())
+    state = state0
+    s_in = c.k.new_zeros(*c.k.shape[:2], c.k.shape[-1], c.v.shape[-1])
+    for ids, seq in positions:
+        s = state[seq]
+        s_in[ids] = s
+        state = state.index_put((seq,), c.last[ids] * s + t(c.tail[ids]) @ (c.u_free[ids] - c.w[ids] @ s))
+
+    d_state = torch.zeros_like(state) if dht is None else dht.to(state.dtype).clone()
+    d_u = torch.zeros_like(c.v)
+    ds_out = torch.zeros_like(s_in)
+    for ids, seq in reversed(positions):
+        ds_next = d_state[seq]
+        ds_out[ids] = ds_next
+        d_u[ids] = t(c.attn[ids]) @ d_out[ids] + c.tail[ids] @ ds_next
+        ds = t(c.q_gated[ids]) @ d_out[ids] + c.last[ids] * ds_next - t(c.w[ids]) @ d_u[ids]
+        d_state = d_state.index_put((seq,), ds)
+    return s_in, ds_out, d_u, d_state
+
+
 def chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
-                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, walks=torch_walks):
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` for the output gradient ``do`` and final-state gradient ``dht``.
 
     Arguments as ``api.chunk_gated_delta_rule_bwd``: validated inputs, ``dht`` and
     ``initial_state`` may be None; ``dh0`` is None when ``initial_state`` is.
+    ``walks(chunks, state0, d_out, dht)`` runs the sequential part (:func:`torch_walks`
+    or the Hopper kernels); everything else is computed for all chunks at once here.
     """
     dtype = compute_dtype_for(q)
     batch, length = v.shape[:2]
@@ -54,32 +84,11 @@ def chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do
         pq, pk, pv, pg, pbeta, seqs, state0 = _prepare(
             q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, dtype)
         c = Chunks(pq, pk, pv, pg, pbeta, seqs, batch, length)
-        positions = list(c.positions())
         t = lambda x: x.transpose(-1, -2)
-
-        # Forward walk: the state entering every chunk, and U.
-        state = state0
-        s_in = c.k.new_zeros(*c.k.shape[:2], c.k.shape[-1], c.v.shape[-1])
-        u = torch.zeros_like(c.v)
-        for ids, seq in positions:
-            s = state[seq]
-            s_in[ids] = s
-            u[ids] = c.u_free[ids] - c.w[ids] @ s
-            state = state.index_put((seq,), c.last[ids] * s + t(c.tail[ids]) @ u[ids])
-
-        # Reverse walk: dU, and the gradient of the state leaving every chunk.
         flat_do = torch.cat([do.to(dtype).reshape(batch * length, *do.shape[2:]), do.new_zeros(1, *do.shape[2:]).to(dtype)])
         d_out = flat_do[c.token].transpose(1, 2)  # [C, Hv, 64, V]
-        d_state = torch.zeros_like(state) if dht is None else dht.to(dtype).clone()
-        d_u = torch.zeros_like(c.v)
-        ds_out = torch.zeros_like(s_in)
-        for ids, seq in reversed(positions):
-            ds_next = d_state[seq]
-            ds_out[ids] = ds_next
-            d_u[ids] = t(c.attn[ids]) @ d_out[ids] + c.tail[ids] @ ds_next
-            ds = t(c.q_gated[ids]) @ d_out[ids] + c.last[ids] * ds_next - t(c.w[ids]) @ d_u[ids]
-            d_state = d_state.index_put((seq,), ds)
-        dh0 = d_state
+        s_in, ds_out, d_u, dh0 = walks(c, state0, d_out, dht)
+        u = c.u_free - c.w @ s_in
 
         # Local gradients, every chunk at once.
         e_gamma = c.gamma.exp()

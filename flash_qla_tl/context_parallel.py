@@ -30,6 +30,10 @@ MIN_SEGMENTS = 4  # three passes must buy at least 4x the parallelism
 MIN_SEGMENT_TOKENS = 1024  # shorter segments make the scan dominate
 
 
+def num_sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -41,12 +45,18 @@ def segment_length(total_tokens: int, num_seqs: int, num_programs: int, device: 
     ``num_programs`` is the fused pass's grid size without splitting; sequence
     lengths are taken as their mean, ``total_tokens / num_seqs``.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    split = min(_num_sms(index) // num_programs, total_tokens // (num_seqs * MIN_SEGMENT_TOKENS))
+    split = min(num_sms(device) // num_programs, total_tokens // (num_seqs * MIN_SEGMENT_TOKENS))
     if split < MIN_SEGMENTS:
         return None
     mean_length = -(-total_tokens // num_seqs)
     return -(-mean_length // (split * CHUNK)) * CHUNK
+
+
+@functools.lru_cache(maxsize=64)
+def host_segment_table(offsets: tuple[int, ...], total_tokens: int, seg_len: int, device: torch.device):
+    """:func:`segment_table` of offsets known on the host, built there once and copied to ``device``."""
+    table = segment_table(torch.tensor(offsets, dtype=torch.int32), total_tokens, seg_len)
+    return tuple(planning.to_device(x, device) for x in table)
 
 
 def segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int):

@@ -5,8 +5,13 @@
 1. ``chunk_prep`` (all chunks at once): the gate cumsum and the gate-free chunk
    inverse ``A = A0 diag(beta)``, written as the two GEMM operands the state
    pass needs (``-diag(G) A diag(rk)`` for the keys, ``A o E`` for the values).
-2. ``chunk_forward`` (one program per sequence, value head and 64-wide value
-   block): the state pass fused with the value correction and the output.
+2. ``chunk_forward`` (one program per sequence, value head and block of 32 or
+   64 value columns, :func:`plan_state_pass`): the state pass fused with the
+   value correction and the output; context parallelism on top for a few long
+   sequences (``context_parallel.py``).
+
+Steps 0-1 (:func:`prepare_chunks`) and one state pass (:func:`state_pass`) are
+also the first half of the Hopper backward (``hopper_backward.py``).
 
 Inputs arrive validated (``validation.check_inputs``); this module only decides
 whether the kernels cover them (:func:`unsupported_reason`) and runs them.
@@ -14,6 +19,7 @@ whether the kernels cover them (:func:`unsupported_reason`) and runs them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -56,34 +62,83 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
     return None
 
 
-def _packed(x: torch.Tensor) -> torch.Tensor:
+def packed_tokens(x: torch.Tensor) -> torch.Tensor:
     """``[B, T, ...]`` -> contiguous ``[B * T, ...]`` at a 16-byte aligned address (TMA needs both)."""
     x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                  use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-    """The forward on Hopper; same contract as ``api.chunk_gated_delta_rule_fwd``."""
-    # TileLang is imported only once a kernel is about to run (CPU users never need it).
-    from .kernels.chunk_forward import build_chunk_forward
+@dataclasses.dataclass(frozen=True)
+class StatePassPlan:
+    """How the state pass spreads over the GPU: value columns per program, and segments (or None)."""
+
+    block_v: int
+    segment_tokens: int | None
+
+
+def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device) -> StatePassPlan:
+    """Pick the state pass's grid from shapes alone (no device values are read).
+
+    A program's chunk-to-chunk time is a latency chain that shrinks little with
+    fewer value columns, so where programs of 32 columns still fit one wave they
+    double the parallelism for less time per chunk; where they would need two
+    waves, 64 columns are faster.  Context parallelism (three passes) comes on
+    top where even that leaves most SMs idle.  (H200 measurements of every
+    choice: ``benchmarks/compare_plans.py``, BENCHMARKS.md.)
+    """
+    programs = (HEAD_DIM // 64) * num_v_heads * num_seqs
+    block_v = 32 if 2 * programs <= context_parallel.num_sms(device) else 64
+    programs = (HEAD_DIM // block_v) * num_v_heads * num_seqs
+    return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, device))
+
+
+@dataclasses.dataclass
+class ChunkOperands:
+    """What every state pass reads, forward or backward: packed inputs and chunk_prep's outputs."""
+
+    q: torch.Tensor  # [T, Hqk, K], contiguous, 16-byte aligned (TMA)
+    k: torch.Tensor
+    v: torch.Tensor  # [T, Hv, V]
+    q_norm: torch.Tensor  # [T, Hqk padded to 4] fp32 inverse norms, or ones
+    k_norm: torch.Tensor
+    gamma: torch.Tensor  # [T, Hv] fp32, chunk-local cumsum of g in log2 units
+    a_keys: torch.Tensor  # [T, Hv, 64]
+    a_values: torch.Tensor  # [T, Hv, 64]
+    cu_seqlens: torch.Tensor  # [N + 1] int32 (dense batches too)
+    offsets: tuple[int, ...] | None  # the same on the host (None during CUDA-graph capture)
+    scale: float
+    dtype: str  # the kernels' name for q's dtype
+
+    @property
+    def config(self) -> tuple:
+        """The static part of every kernel's config: (Hqk, Hv, K, V, dtype)."""
+        return self.q.shape[1], self.v.shape[1], self.q.shape[2], self.v.shape[2], self.dtype
+
+
+def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens) -> ChunkOperands:
+    """Steps 0 and 1 of the module docstring on non-empty validated inputs."""
     from .kernels.chunk_prep import build_chunk_prep
     from .kernels.compile import compile_program
     from .kernels.inverse_norms import build_inverse_norms, padded_heads
-    from .kernels.segment_scan import build_segment_scan
 
     batch, length, hqk, kdim = q.shape
-    hv, vdim = v.shape[2], v.shape[3]
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    if batch * length == 0:
-        o = v.new_zeros(v.shape)
-        ht = (initial_state.float().clone() if initial_state is not None
-              else torch.zeros(num_seqs, hv, kdim, vdim, dtype=torch.float32, device=v.device))
-        return o, (ht if output_final_state else None)
+    hv = v.shape[2]
     dtype = KERNEL_DTYPES[q.dtype]
     device = q.device
-    q, k, v = _packed(q), _packed(k), _packed(v)
     total = batch * length
+    # The chunk table: from the host's copy of the offsets (planning's docstring),
+    # or built on the device while a CUDA graph is captured.
+    if cu_seqlens is None:
+        cu_seqlens, bounds = planning.dense_tables(batch, length, device)
+        offsets = tuple(range(0, (batch + 1) * length, length))
+    else:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+        if torch.cuda.is_current_stream_capturing():
+            offsets, bounds = None, planning.chunk_bounds(cu_seqlens, total)
+        else:
+            offsets = planning.host_offsets(cu_seqlens)
+            bounds = planning.host_chunk_bounds(offsets, total, device)
+    q, k, v = packed_tokens(q), packed_tokens(k), packed_tokens(v)
     # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm.
     norm_shape = (total, padded_heads(hqk))
     if use_qk_l2norm_in_kernel:
@@ -93,54 +148,84 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         inverse_norms(k, k_norm)
     else:
         q_norm = k_norm = torch.ones(norm_shape, dtype=torch.float32, device=device)
-    g, beta = _packed(g).float(), _packed(beta).float()
-    if cu_seqlens is None:
-        cu_seqlens, bounds = planning.dense_tables(batch, length, device)
-    else:
-        cu_seqlens = cu_seqlens.to(torch.int32)
-        bounds = planning.chunk_bounds(cu_seqlens, total)
-    scale = reference.query_scale(scale, kdim)
+    g, beta = packed_tokens(g).float(), packed_tokens(beta).float()
 
     gamma = torch.empty(total, hv, dtype=torch.float32, device=device)
     a_keys, a_values = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) for _ in range(2))
     prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype)
     prep(k, k_norm, g, beta, bounds, gamma, a_keys, a_values)
+    return ChunkOperands(q, k, v, q_norm, k_norm, gamma, a_keys, a_values, cu_seqlens, offsets,
+                         reference.query_scale(scale, kdim), dtype)
 
-    def state_pass(values, offsets, h0, store_ht, out):
-        """One fused pass over the sequences ``offsets`` describes; returns their final states."""
-        states = offsets.numel() - 1
-        ht = (torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht
-              else _placeholder_state(hv, kdim, vdim, device))
-        kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht)
-        h0 = _placeholder_state(hv, kdim, vdim, device) if h0 is None else h0
-        kernel(q, k, q_norm, k_norm, values, gamma, a_keys, a_values, offsets, h0, scale, out, ht)
-        return ht
 
+def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, chunk_states=None):
+    """One fused pass (step 2) over the sequences ``offsets`` describes; returns their final states.
+
+    ``chunk_states`` (``[T // 64 + N + 1, Hv, K, V]`` fp32, or None) receives the
+    state entering every chunk (the backward's recompute; see chunk_forward).
+    """
+    from .kernels.chunk_forward import build_chunk_forward
+    from .kernels.compile import compile_program
+
+    hqk, hv, kdim, vdim, dtype = ops.config
+    device = ops.v.device
+    states = offsets.numel() - 1
+    placeholder = placeholder_state(hv, kdim, vdim, device)
+    ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else placeholder
+    kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
+                             block_v, chunk_states is not None)
+    kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, values, ops.gamma, ops.a_keys, ops.a_values, offsets,
+           placeholder if h0 is None else h0, ops.scale, out, ht,
+           placeholder if chunk_states is None else chunk_states)
+    return ht
+
+
+def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, plan: StatePassPlan | None = None):
+    """The forward on Hopper; same contract as ``api.chunk_gated_delta_rule_fwd``.
+
+    ``plan`` overrides :func:`plan_state_pass` (benchmarks compare plans with it).
+    """
+    from .kernels.compile import compile_program
+    from .kernels.segment_scan import build_segment_scan
+
+    batch, length, _, kdim = q.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    if batch * length == 0:
+        o = v.new_zeros(v.shape)
+        ht = (initial_state.float().clone() if initial_state is not None
+              else torch.zeros(num_seqs, hv, kdim, vdim, dtype=torch.float32, device=v.device))
+        return o, (ht if output_final_state else None)
+    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens)
+    total, device = batch * length, ops.v.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
-    seg_len = None
-    if kdim == vdim:  # a segment's transition M is K x K: it rides in the V columns of a state
-        seg_len = context_parallel.segment_length(total, num_seqs, (vdim // 64) * hv * num_seqs, device)
+    plan = plan or plan_state_pass(total, num_seqs, hv, device)
+    seg_len = plan.segment_tokens  # K == V: a segment's transition M (K x K) rides in a state's V columns
+    run = lambda values, offsets, h0, store_ht: state_pass(ops, values, offsets, h0, store_ht, o, plan.block_v)
     if seg_len is None:
-        ht = state_pass(v, cu_seqlens, h0, output_final_state, o)
+        ht = run(ops.v, ops.cu_seqlens, h0, output_final_state)
     else:
-        seg_cu, first_segment, num_segments = context_parallel.segment_table(cu_seqlens, total, seg_len)
+        seg_cu, first_segment, num_segments = (
+            context_parallel.segment_table(ops.cu_seqlens, total, seg_len) if ops.offsets is None
+            else context_parallel.host_segment_table(ops.offsets, total, seg_len, device))
         num_segs = seg_cu.numel() - 1
-        offset = state_pass(v, seg_cu, None, True, o)  # h: from a zero state (o is overwritten below)
+        offset = run(ops.v, seg_cu, None, True)  # h: from a zero state (o is overwritten below)
         identity = torch.eye(kdim, device=device).expand(num_segs, hv, kdim, kdim).contiguous()
-        transition = state_pass(torch.zeros_like(v), seg_cu, identity, True, o)  # M: from I, no values
+        transition = run(torch.zeros_like(ops.v), seg_cu, identity, True)  # M: from I, no values
         initial = h0 if h0 is not None else torch.zeros(num_seqs, hv, kdim, vdim, device=device)
         entry, ht = torch.empty_like(offset), torch.empty_like(initial)
         scan = compile_program(build_segment_scan, hv, kdim, vdim)
         scan(transition, offset, initial, first_segment, num_segments, entry, ht)
-        state_pass(v, seg_cu, entry, False, o)
+        run(ops.v, seg_cu, entry, False)
     if torch.cuda.is_current_stream_capturing():
         # Offsets were not checked on the host: keep tokens past cu_seqlens[-1] defined.
-        o.masked_fill_((torch.arange(total, device=device) >= cu_seqlens[-1])[:, None, None], 0)
+        o.masked_fill_((torch.arange(total, device=device) >= ops.cu_seqlens[-1])[:, None, None], 0)
     return o.view(batch, length, hv, vdim), (ht if output_final_state else None)
 
 
 @functools.lru_cache(maxsize=None)
-def _placeholder_state(hv, kdim, vdim, device):
+def placeholder_state(hv, kdim, vdim, device):
     """A one-sequence state for a kernel built without that state argument's use."""
     return torch.zeros(1, hv, kdim, vdim, dtype=torch.float32, device=device)

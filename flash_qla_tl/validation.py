@@ -1,9 +1,10 @@
 """Argument checking for the public API: every bad input gets a clear error naming it.
 
 Shapes and dtypes are checked on the host from metadata.  The values of
-``cu_seqlens`` need one small device-to-host copy; that check is skipped while a
-CUDA graph is being captured (a capture cannot synchronise), so graph users
-are responsible for valid offsets.
+``cu_seqlens`` need one small device-to-host copy per tensor
+(``planning.host_offsets``); that check is skipped while a CUDA graph is being
+captured (a capture cannot synchronise), so graph users are responsible for
+valid offsets.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from . import planning
 
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -130,7 +133,7 @@ def _check_cu_seqlens(cu_seqlens, batch, length) -> int:
         raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {batch}")
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         return cu_seqlens.numel() - 1
-    offsets = cu_seqlens.tolist()
+    offsets = planning.host_offsets(cu_seqlens)
     if offsets[0] != 0 or offsets[-1] != length:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {length}, got {offsets[0]} ... {offsets[-1]}")
     if any(b < a for a, b in zip(offsets, offsets[1:])):

@@ -25,11 +25,17 @@ for step in $steps; do
              | grep -v "DEBUG\|INFO" | tail -25 ;;
     tests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40 ;;
+    bwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_backward.py 2>&1 \
+             | tee "$OUT/gpu-tests-backward.log" | tail -30 ;;
+    plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 | grep -v INFO \
+             | tee "$OUT/plans.log" | tail -40 ;;
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
              | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
     bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
+    bwdquick) python benchmarks/bench_backward.py --quick --out "$OUT/bench" 2>&1 \
+             | tee "$OUT/bench-backward.log" | grep -v INFO | tail -12 ;;
     layer) python benchmarks/bench_layer.py --out "$OUT/layer" 2>&1 | grep -v "INFO\|Warning" | tee "$OUT/layer.log" | tail -30 ;;
     host)  python benchmarks/host_overhead.py 2>&1 | grep -v INFO | tee "$OUT/host.log" | head -45 ;;
     kbench) python scripts/build_hub.py >/dev/null && python -c "import sys; from kernels.cli import main; \

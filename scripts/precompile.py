@@ -20,6 +20,7 @@ from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep  # noqa: E402
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
+from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass  # noqa: E402
 from flash_qla_tl.kernels.segment_scan import build_segment_scan  # noqa: E402
 
 QWEN_HEADS = "2x8,4x16,8x32,16x64,16x32,16x48,16x16,32x32"
@@ -30,6 +31,8 @@ def main():
     p.add_argument("--heads", default=QWEN_HEADS, help="comma-separated HqkxHv")
     p.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16, float16")
     p.add_argument("--all-flags", action="store_true", help="every (initial state, final state) pair, not just both on")
+    p.add_argument("--block-v", default="64,32", help="comma-separated value-block widths of the state pass")
+    p.add_argument("--backward", action="store_true", help="also the backward's recompute and reverse passes")
     args = p.parse_args()
     heads = [tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")]
     flags = list(itertools.product([True, False], repeat=2)) if args.all_flags else [(True, True)]
@@ -41,10 +44,16 @@ def main():
         line = f"({hqk},{hv}) {dtype}: norms + prep {time.perf_counter() - t:.1f} s"
         if args.all_flags:  # the flag pairs that context parallelism uses, and its scan
             compile_program(build_segment_scan, hv, 128, 128)
-        for has_h0, store_ht in flags:
+        for (has_h0, store_ht), block_v in itertools.product(flags, [int(b) for b in args.block_v.split(",")]):
             t = time.perf_counter()
-            compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht)
-            line += f", forward(h0={has_h0:d}, ht={store_ht:d}) {time.perf_counter() - t:.1f} s"
+            compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht, block_v)
+            line += f", forward(h0={has_h0:d}, ht={store_ht:d}, {block_v}) {time.perf_counter() - t:.1f} s"
+        if args.backward:
+            t = time.perf_counter()
+            for has_state, block_v in itertools.product([True, False], [int(b) for b in args.block_v.split(",")]):
+                compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_state, False, block_v, True)
+                compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_state, block_v)
+            line += f", backward passes {time.perf_counter() - t:.1f} s"
         print(line, flush=True)
 
 

@@ -186,12 +186,34 @@ def test_context_parallel_is_as_precise_as_one_pass(monkeypatch):
 
 @pytest.mark.parametrize("decay", ["none", "normal"])
 def test_context_parallel_split(decay):
-    """Two long-ish sequences at 2/8 heads: the plan splits them into segments (and must stay exact)."""
-    from flash_qla_tl import context_parallel
+    """Two long-ish sequences at 1/4 heads: the plan splits them into segments (and must stay exact)."""
+    from flash_qla_tl import hopper_forward
 
     seqs = [12000, 2030]
-    assert context_parallel.segment_length(sum(seqs), 2, 2 * 8 * 2, torch.device("cuda")) is not None
-    _check(_inputs(seqs=seqs, decay=decay, initial_state=True), l2norm=True)
+    assert hopper_forward.plan_state_pass(sum(seqs), 2, 4, torch.device("cuda")).segment_tokens is not None
+    _check(_inputs(seqs=seqs, decay=decay, initial_state=True, hqk=1, hv=4), l2norm=True)
+
+
+@pytest.mark.parametrize("block_v", [32, 64])
+def test_value_block_widths(block_v):
+    """Both program widths the plan picks between, on the same awkward batch."""
+    from flash_qla_tl import hopper_forward
+
+    x = _inputs(seqs=[1, 0, 200, 64, 1000], decay="strong", initial_state=True, hqk=4, hv=16)
+    plan = hopper_forward.StatePassPlan(block_v, None)
+    o, s = hopper_forward.chunk_forward(**x, scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                        plan=plan)
+    ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+    o_ref, s_ref = reference.chunked_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert rel_rms(o, o_ref) < 5e-3 and rel_rms(s, s_ref) < 5e-3, (rel_rms(o, o_ref), rel_rms(s, s_ref))
+
+
+def test_offsets_rewritten_in_place_are_planned_again():
+    """Host-side planning caches per offsets tensor; an in-place write must not reuse the old plan."""
+    x = _inputs(seqs=[100, 400, 12], initial_state=True)
+    _check(x)
+    x["cu_seqlens"].copy_(torch.tensor([0, 300, 310, 512], dtype=torch.int32))
+    _check(x)
 
 
 def test_segment_scan_composes_affine_segment_maps():

@@ -10,6 +10,7 @@ from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.compile import compile_program
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
+from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass
 from flash_qla_tl.kernels.segment_scan import build_segment_scan
 
 
@@ -30,10 +31,21 @@ def test_chunk_prep_compiles(hqk, hv, dtype):
     assert "wgmma" in source  # the Gram matrix runs on the tensor cores
 
 
-@pytest.mark.parametrize("hqk,hv,dtype,has_h0,store_ht", [
-    (16, 32, "bfloat16", True, True),
-    (2, 8, "float16", False, False),
+@pytest.mark.parametrize("hqk,hv,dtype,has_h0,store_ht,block_v", [
+    (16, 32, "bfloat16", True, True, 64),
+    (2, 8, "float16", False, False, 64),
+    (2, 8, "bfloat16", True, True, 32),
 ])
-def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht):
-    source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht).get_kernel_source()
+def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht, block_v):
+    source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht,
+                             block_v).get_kernel_source()
     assert "wgmma" in source
+
+
+@pytest.mark.parametrize("hqk,hv,dtype,has_dht,block_v", [(16, 32, "bfloat16", True, 64), (2, 8, "float16", False, 32)])
+def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
+    """The backward's recompute (the forward storing every chunk's entering state) and reverse pass."""
+    recompute = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_dht, False, block_v, True)
+    assert "chunk_states" in recompute.get_kernel_source()
+    source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v).get_kernel_source()
+    assert "wgmma" in source and "chunk_state_grads" in source

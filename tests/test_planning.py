@@ -26,3 +26,13 @@ def test_dense_tables_describe_the_batch_rows():
     assert cu.tolist() == [0, 100, 200, 300]
     assert torch.equal(bounds, planning.chunk_bounds(cu, 300))
     assert planning.dense_tables(3, 100, torch.device("cpu"))[1] is bounds  # built once
+
+
+def test_host_offsets_are_read_once_per_tensor_and_again_after_a_write():
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    assert planning.host_offsets(cu) == (0, 3, 10)
+    cu[1] = 5  # an in-place write bumps the version counter: the cached values must not be served
+    assert planning.host_offsets(cu) == (0, 5, 10)
+    other = torch.tensor([0, 5, 10], dtype=torch.int32)
+    assert planning.host_offsets(other) == (0, 5, 10)
+

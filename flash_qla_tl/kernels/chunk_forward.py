@@ -18,7 +18,11 @@ norms of the queries and keys, ``G = exp2(gamma)`` and
 are fp32 scales (see inverse_norms).
 
 U and the per-chunk states never leave the chip, and neither does Kbar (the WY
-``w``): it lives in shared memory for one chunk.
+``w``): it lives in shared memory for one chunk.  Only the backward's
+recompute (``store_chunk_states``) writes the state entering every chunk, fp32,
+to slot ``bos // C + seq + c`` of ``chunk_states`` (chunk ``c`` of sequence ``seq``
+starting at token ``bos``): unique per chunk, from the offsets the kernel already
+reads, so no chunk table is needed; ``T // C + N + 1`` slots cover every chunk.
 
 Warp specialisation keeps the serial chain short.  From one state to the next
 the chain is ``S -> Av V + Kbar S -> U -> K^T (...) U``: two rounds of
@@ -65,6 +69,7 @@ def build_chunk_forward(
     has_initial_state: bool,
     store_final_state: bool,
     block_v: int = 64,
+    store_chunk_states: bool = False,
     chunk: int = 64,
 ):
     """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic."""
@@ -85,6 +90,7 @@ def build_chunk_forward(
     # a one-row placeholder for whichever of the two this config ignores.
     num_states_in = T.dynamic("NS")
     num_states_out = T.dynamic("NS_out")
+    num_chunk_slots = T.dynamic("NC")
 
     @T.prim_func
     def chunk_forward(
@@ -101,6 +107,7 @@ def build_chunk_forward(
         scale: T.float32,
         o: T.Tensor([num_tokens, num_v_heads, V], dtype),
         final_state: T.Tensor([num_states_out, num_v_heads, K, V], accum),
+        chunk_states: T.Tensor([num_chunk_slots, num_v_heads, K, V], accum),
     ):
         with T.Kernel(
             V // block_v, num_v_heads, num_seqs, threads=_CHAIN_THREADS + _PREP_THREADS + _LOADER_THREADS
@@ -159,6 +166,8 @@ def build_chunk_forward(
                     st = c % _STAGES
                     s = bos + c * C
                     n = T.min(seqlen - c * C, C)
+                    if store_chunk_states:
+                        T.copy(state, chunk_states[bos // C + seq + c, hv, :, v0 : v0 + block_v])
                     T.copy(state, state_op)
                     T.barrier_wait(prepared[st], (c // _STAGES) % 2)
 

@@ -1,0 +1,224 @@
+"""The backward's reverse state pass: the state gradient carried from the last chunk to the first.
+
+One program owns one (sequence, value head, block of ``block_v`` value columns)
+and walks the sequence's chunks backwards with ``dS`` (K x block_v, fp32) in
+registers: the gradient of the loss with respect to the state *leaving* the
+chunk at hand.  With the forward's operands (chunk_forward's docstring: ``Kbar``,
+``P``, the output gates ``og = scale exp2(gamma) rq`` and the decays to the
+chunk end ``dte = exp2(gamma_last - gamma) rk``), and ``dO`` the chunk's output
+gradient, the forward's two state-dependent lines::
+
+    U  = Av V + Kbar S
+    O  = diag(og) Q S + P U
+    S' = exp2(gamma_last) S + K^T diag(dte) U
+
+give, per chunk, in reverse::
+
+    dU = P^T dO + diag(dte) K dS'
+    dS = exp2(gamma_last) dS' + Q^T diag(og) dO + Kbar^T dU
+
+(``chunked_backward.py`` writes the same with ``w = -Kbar``.)  The pass stores
+what the local gradients need and cannot cheaply rebuild: ``dU`` per token
+(fp32) and ``dS'`` per chunk (fp32, slot ``bos // C + seq + c`` as
+chunk_forward's ``chunk_states``), and the gradient of the initial state.
+
+Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
+tensor-core work per chunk, ``dS' -> dU -> dS``), 1 prepares the next chunk's
+state-independent operands (``Kbar``, ``P``, ``diag(og) dO``) into a two-stage
+smem ring, 1 issues the TMA loads.  Masking follows the forward: padded rows of
+k and dO are zeroed before any GEMM reads them, ``Kbar``'s and ``dU``'s padded
+rows are selects to 0 (A_keys rows past a sequence's end may hold anything).
+"""
+
+from .inverse_norms import HEADS_PER_BOX, padded_heads
+
+_CHAIN_THREADS = 256
+_PREP_THREADS = 128
+_LOADER_THREADS = 128
+_CHAIN_REGS, _PREP_REGS, _LOADER_REGS = 152, 160, 40
+_STAGES = 2
+
+
+def build_reverse_state_pass(
+    num_qk_heads: int,
+    num_v_heads: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    dtype: str,
+    has_final_state_grad: bool,
+    block_v: int = 64,
+    chunk: int = 64,
+):
+    """Build the reverse pass's PrimFunc for one static config; token, sequence and slot counts stay symbolic."""
+    import tilelang.language as T
+
+    K, V, C = head_dim_k, head_dim_v, chunk
+    assert dtype in ("bfloat16", "float16"), dtype
+    assert C == 64 and num_v_heads % num_qk_heads == 0 and V % block_v == 0 and block_v <= 64
+    assert num_v_heads % HEADS_PER_BOX == 0, "the gamma TMA box needs Hv % 4 == 0"
+    group = num_v_heads // num_qk_heads
+    accum = "float32"
+
+    num_tokens = T.dynamic("T")
+    num_seqs = T.dynamic("N")
+    num_states_in = T.dynamic("NS")  # the final-state gradient may be a one-row placeholder
+    num_chunk_slots = T.dynamic("NC")
+
+    @T.prim_func
+    def reverse_state_pass(
+        q: T.Tensor([num_tokens, num_qk_heads, K], dtype),
+        k: T.Tensor([num_tokens, num_qk_heads, K], dtype),
+        q_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], accum),
+        k_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], accum),
+        do: T.Tensor([num_tokens, num_v_heads, V], dtype),
+        gamma: T.Tensor([num_tokens, num_v_heads], accum),
+        A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
+        cu_seqlens: T.Tensor([num_seqs + 1], "int32"),
+        final_state_grad: T.Tensor([num_states_in, num_v_heads, K, V], accum),
+        scale: T.float32,
+        du: T.Tensor([num_tokens, num_v_heads, V], accum),
+        chunk_state_grads: T.Tensor([num_chunk_slots, num_v_heads, K, V], accum),
+        initial_state_grad: T.Tensor([num_seqs, num_v_heads, K, V], accum),
+    ):
+        with T.Kernel(
+            V // block_v, num_v_heads, num_seqs, threads=_CHAIN_THREADS + _PREP_THREADS + _LOADER_THREADS
+        ) as (iv, hv, seq):
+            hk = hv // group
+            v0 = iv * block_v
+            h0 = hv - hv % HEADS_PER_BOX
+            hg = hv % HEADS_PER_BOX
+            hk0 = hk - hk % HEADS_PER_BOX
+            hkn = hk % HEADS_PER_BOX
+            bos = cu_seqlens[seq]
+            seqlen = cu_seqlens[seq + 1] - bos
+            num_chunks = T.ceildiv(seqlen, C)
+
+            # Input ring (TMA); step i of every role handles chunk num_chunks - 1 - i.
+            q_tile = T.alloc_shared([_STAGES, C, K], dtype)
+            k_tile = T.alloc_shared([_STAGES, C, K], dtype)
+            do_tile = T.alloc_shared([_STAGES, C, block_v], dtype)
+            a_keys_tile = T.alloc_shared([_STAGES, C, C], dtype)
+            gamma_tile = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
+            q_scale = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
+            k_scale = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
+            # Operand ring (prep).
+            kbar_op = T.alloc_shared([_STAGES, C, K], dtype)  # Ak K, 0 past n
+            p_op = T.alloc_shared([_STAGES, C, C], dtype)  # P
+            gated_do_op = T.alloc_shared([_STAGES, C, block_v], dtype)  # diag(og) dO
+            decay_to_end = T.alloc_shared([_STAGES, C], accum)  # dte, 0 past n
+            chunk_decay = T.alloc_shared([_STAGES], accum)  # exp2(gamma_last)
+            loaded = T.alloc_barrier(arrive_count=[_LOADER_THREADS] * _STAGES)
+            prepared = T.alloc_barrier(arrive_count=[_PREP_THREADS] * _STAGES)
+            consumed = T.alloc_barrier(arrive_count=[_CHAIN_THREADS] * _STAGES)
+
+            ds_op = T.alloc_shared([K, block_v], dtype)  # dS'
+            du_op = T.alloc_shared([C, block_v], dtype)  # dU
+
+            ds = T.alloc_fragment([K, block_v], accum)
+            du_acc = T.alloc_fragment([C, block_v], accum)
+            k_ds = T.alloc_fragment([C, block_v], accum)
+            kbar = T.alloc_fragment([C, K], accum)
+            qk = T.alloc_fragment([C, C], accum)
+
+            tx = T.get_thread_binding()
+            if tx < _CHAIN_THREADS:
+                T.set_max_nreg(_CHAIN_REGS, 1)
+                if has_final_state_grad:
+                    T.copy(final_state_grad[seq, hv, :, v0 : v0 + block_v], ds)
+                else:
+                    T.clear(ds)
+
+                for i in T.serial(num_chunks):
+                    st = i % _STAGES
+                    c = num_chunks - 1 - i
+                    s = bos + c * C
+                    n = T.min(seqlen - c * C, C)
+                    T.copy(ds, chunk_state_grads[bos // C + seq + c, hv, :, v0 : v0 + block_v])
+                    T.copy(ds, ds_op)
+                    T.barrier_wait(prepared[st], (i // _STAGES) % 2)
+
+                    # Round 1: P^T dO and K dS' (dU's two terms), and dS's first two terms.
+                    T.wgmma_gemm(p_op[st, :, :], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(k_tile[st, :, :], ds_op, k_ds, clear_accum=True)
+                    for d, j in T.Parallel(K, block_v):
+                        ds[d, j] = ds[d, j] * chunk_decay[st]
+                    T.wgmma_gemm(q_tile[st, :, :], gated_do_op[st, :, :], ds, transpose_A=True)
+                    T.wait_wgmma(1)
+
+                    for r, j in T.Parallel(C, block_v):
+                        du_acc[r, j] = T.Select(r < n, du_acc[r, j] + decay_to_end[st, r] * k_ds[r, j], T.float32(0))
+                    T.copy(du_acc, du_op)
+                    T.wait_wgmma(0)
+
+                    # Round 2: dS += Kbar^T dU, while dU goes out.
+                    T.wgmma_gemm(kbar_op[st, :, :], du_op, ds, transpose_A=True)
+                    for r, j in T.Parallel(C, block_v):
+                        if r < n:
+                            du[s + r, hv, v0 + j] = du_acc[r, j]
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(consumed[st])
+
+                T.copy(ds, initial_state_grad[seq, hv, :, v0 : v0 + block_v])
+            elif tx < _CHAIN_THREADS + _PREP_THREADS:
+                T.set_max_nreg(_PREP_REGS, 1)
+                for i in T.serial(num_chunks):
+                    st = i % _STAGES
+                    c = num_chunks - 1 - i
+                    n = T.min(seqlen - c * C, C)
+                    T.barrier_wait(loaded[st], (i // _STAGES) % 2)
+
+                    # Only a sequence's last chunk is short: it is the first one handled, so
+                    # no later TMA write to this stage races with these stores.
+                    if n < C:
+                        for r, d in T.Parallel(C, K):
+                            if r >= n:
+                                k_tile[st, r, d] = 0
+                        for r, d in T.Parallel(C, block_v):
+                            if r >= n:
+                                do_tile[st, r, d] = 0
+
+                    T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
+                    T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
+                    for r in T.Parallel(C):
+                        decay_to_end[st, r] = T.Select(
+                            r < n, T.exp2(gamma_tile[st, n - 1, hg] - gamma_tile[st, r, hg]) * k_scale[st, r, hkn],
+                            T.float32(0),
+                        )
+                        if r == 0:
+                            chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
+                    for r, j in T.Parallel(C, block_v):
+                        gated_do_op[st, r, j] = do_tile[st, r, j] * (
+                            T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn])
+                    T.wait_wgmma(0)
+
+                    # P exactly as the forward builds it (see chunk_forward).
+                    for r, j in T.Parallel(C, C):
+                        qk[r, j] = (
+                            qk[r, j]
+                            * T.exp2(T.min(gamma_tile[st, r, hg] - gamma_tile[st, j, hg], T.float32(0)))
+                            * (scale * q_scale[st, r, hkn] * k_scale[st, j, hkn])
+                        )
+                    for r, j in T.Parallel(C, C):
+                        qk[r, j] = T.Select(j <= r and r < n, qk[r, j], T.float32(0))
+                    for r, d in T.Parallel(C, K):
+                        kbar[r, d] = T.Select(r < n, kbar[r, d], T.float32(0))
+                    T.copy(kbar, kbar_op[st, :, :])
+                    T.copy(qk, p_op[st, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(prepared[st])
+            else:
+                T.set_max_nreg(_LOADER_REGS, 0)
+                for i in T.serial(num_chunks):
+                    st = i % _STAGES
+                    s = bos + (num_chunks - 1 - i) * C
+                    T.barrier_wait(consumed[st], (i // _STAGES) % 2 ^ 1)
+                    T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
+                    T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
+                    T.tma_copy(do[s : s + C, hv, v0 : v0 + block_v], do_tile[st, :, :], barrier=loaded[st])
+                    T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
+                    T.tma_copy(gamma[s : s + C, h0 : h0 + HEADS_PER_BOX], gamma_tile[st, :, :], barrier=loaded[st])
+                    T.tma_copy(q_norm[s : s + C, hk0 : hk0 + HEADS_PER_BOX], q_scale[st, :, :], barrier=loaded[st])
+                    T.tma_copy(k_norm[s : s + C, hk0 : hk0 + HEADS_PER_BOX], k_scale[st, :, :], barrier=loaded[st])
+                    T.barrier_arrive(loaded[st])
+
+    return reverse_state_pass
