@@ -64,6 +64,7 @@ def _check(x, l2norm=False, with_dht=True):
     return errors
 
 
+# test_hopper_forward's awkward cases, shorter: the float64 recurrence runs under autograd.
 CASES = {
     "dense, T not a multiple of 64": dict(batch=2, length=300),
     "varlen with empty and length-1 sequences": dict(seqs=[0, 1, 64, 0, 65, 7, 1, 200]),

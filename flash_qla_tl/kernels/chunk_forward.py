@@ -46,15 +46,12 @@ Kbar, P, U and O that are masked by those selects or never stored (a GEMM's
 row r depends on its left operand's row r only).
 """
 
+from .chunk_pipeline import (
+    CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
+    zero_rows_past,
+)
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
-# Warp roles, in thread order: chain, prep, loader (see the module docstring).
-_CHAIN_THREADS = 256
-_PREP_THREADS = 128
-_LOADER_THREADS = 128
-# 128 * (2 * 152 + 160 + 40) = 64512 <= 64K registers per SM.
-_CHAIN_REGS, _PREP_REGS, _LOADER_REGS = 152, 160, 40
-_STAGES = 2
 # gamma [T, Hv] and the norms [T, Hqk padded] are fp32: a TMA box must span at
 # least 16 bytes along the head axis, so each chunk loads the values of
 # HEADS_PER_BOX = 4 neighbouring heads and picks its own column.
@@ -110,7 +107,7 @@ def build_chunk_forward(
         chunk_states: T.Tensor([num_chunk_slots, num_v_heads, K, V], accum),
     ):
         with T.Kernel(
-            V // block_v, num_v_heads, num_seqs, threads=_CHAIN_THREADS + _PREP_THREADS + _LOADER_THREADS
+            V // block_v, num_v_heads, num_seqs, threads=CHAIN_THREADS + PREP_THREADS + LOADER_THREADS
         ) as (iv, hv, seq):
             hk = hv // group
             v0 = iv * block_v
@@ -123,24 +120,24 @@ def build_chunk_forward(
             num_chunks = T.ceildiv(seqlen, C)
 
             # Ring of chunk inputs, filled by the loader's TMA.
-            q_tile = T.alloc_shared([_STAGES, C, K], dtype)
-            k_tile = T.alloc_shared([_STAGES, C, K], dtype)
-            v_tile = T.alloc_shared([_STAGES, C, block_v], dtype)
-            a_keys_tile = T.alloc_shared([_STAGES, C, C], dtype)
-            a_values_tile = T.alloc_shared([_STAGES, C, C], dtype)
-            gamma_tile = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
-            q_scale = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
-            k_scale = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
+            q_tile = T.alloc_shared([STAGES, C, K], dtype)
+            k_tile = T.alloc_shared([STAGES, C, K], dtype)
+            v_tile = T.alloc_shared([STAGES, C, block_v], dtype)
+            a_keys_tile = T.alloc_shared([STAGES, C, C], dtype)
+            a_values_tile = T.alloc_shared([STAGES, C, C], dtype)
+            gamma_tile = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
+            q_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
+            k_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             # Ring of state-independent operands, filled by prep (same stage index).
-            kbar_op = T.alloc_shared([_STAGES, C, K], dtype)  # Ak K
-            p_op = T.alloc_shared([_STAGES, C, C], dtype)  # scale (Q K^T) o E
-            out_gate = T.alloc_shared([_STAGES, C], accum)  # scale exp2(gamma_r) rq_r, 0 past n
-            decay_to_end = T.alloc_shared([_STAGES, C], accum)  # exp2(gamma_last - gamma_r) rk_r, 0 past n
-            chunk_decay = T.alloc_shared([_STAGES], accum)  # exp2(gamma_last)
+            kbar_op = T.alloc_shared([STAGES, C, K], dtype)  # Ak K
+            p_op = T.alloc_shared([STAGES, C, C], dtype)  # scale (Q K^T) o E
+            out_gate = T.alloc_shared([STAGES, C], accum)  # scale exp2(gamma_r) rq_r, 0 past n
+            decay_to_end = T.alloc_shared([STAGES, C], accum)  # exp2(gamma_last - gamma_r) rk_r, 0 past n
+            chunk_decay = T.alloc_shared([STAGES], accum)  # exp2(gamma_last)
             # Stage st holds chunk c with c % 2 == st; phases flip every lap round the ring.
-            loaded = T.alloc_barrier(arrive_count=[_LOADER_THREADS] * _STAGES)
-            prepared = T.alloc_barrier(arrive_count=[_PREP_THREADS] * _STAGES)
-            consumed = T.alloc_barrier(arrive_count=[_CHAIN_THREADS] * _STAGES)
+            loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
+            prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
+            consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
 
             # The chain's tensor-core operands.
             state_op = T.alloc_shared([K, block_v], dtype)  # S
@@ -155,21 +152,21 @@ def build_chunk_forward(
             qk = T.alloc_fragment([C, C], accum)
 
             tx = T.get_thread_binding()
-            if tx < _CHAIN_THREADS:
-                T.set_max_nreg(_CHAIN_REGS, 1)
+            if tx < CHAIN_THREADS:
+                T.set_max_nreg(CHAIN_REGS, 1)
                 if has_initial_state:
                     T.copy(initial_state[seq, hv, :, v0 : v0 + block_v], state)
                 else:
                     T.clear(state)
 
                 for c in T.serial(num_chunks):
-                    st = c % _STAGES
+                    st = c % STAGES
                     s = bos + c * C
                     n = T.min(seqlen - c * C, C)
                     if store_chunk_states:
                         T.copy(state, chunk_states[bos // C + seq + c, hv, :, v0 : v0 + block_v])
                     T.copy(state, state_op)
-                    T.barrier_wait(prepared[st], (c // _STAGES) % 2)
+                    T.barrier_wait(prepared[st], (c // STAGES) % 2)
 
                     # Round 1: U = Av V + Kbar S (two GEMMs into one accumulator, one
                     # commit group each) and Q S beside it.
@@ -204,25 +201,21 @@ def build_chunk_forward(
 
                 if store_final_state:
                     T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
-            elif tx < _CHAIN_THREADS + _PREP_THREADS:
-                T.set_max_nreg(_PREP_REGS, 1)
+            elif tx < CHAIN_THREADS + PREP_THREADS:
+                T.set_max_nreg(PREP_REGS, 1)
                 for c in T.serial(num_chunks):
-                    st = c % _STAGES
+                    st = c % STAGES
                     n = T.min(seqlen - c * C, C)
                     # Stage st of the operand ring was last read for chunk c - 2; the
                     # loader refilled the input ring's stage st only after the chain
                     # released it, so waiting for the load is enough.
-                    T.barrier_wait(loaded[st], (c // _STAGES) % 2)
+                    T.barrier_wait(loaded[st], (c // STAGES) % 2)
 
                     # Only a sequence's last chunk is short, so no later TMA write to
                     # this stage races with these stores.
                     if n < C:
-                        for i, d in T.Parallel(C, K):
-                            if i >= n:
-                                k_tile[st, i, d] = 0
-                        for i, d in T.Parallel(C, block_v):
-                            if i >= n:
-                                v_tile[st, i, d] = 0
+                        zero_rows_past(k_tile, st, n, C, K)
+                        zero_rows_past(v_tile, st, n, C, block_v)
 
                     T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
                     T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
@@ -237,31 +230,20 @@ def build_chunk_forward(
                             chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
                     T.wait_wgmma(0)
 
-                    # P's gates in the accumulator, computed for every element (exp2 of
-                    # min(., 0): finite above the diagonal too), so that the mask is a
-                    # select between registers: a select of shared loads compiles to a
-                    # branch per element, whose loads the compiler can no longer share.
-                    for i, j in T.Parallel(C, C):
-                        qk[i, j] = (
-                            qk[i, j]
-                            * T.exp2(T.min(gamma_tile[st, i, hg] - gamma_tile[st, j, hg], T.float32(0)))
-                            * (scale * q_scale[st, i, hkn] * k_scale[st, j, hkn])
-                        )
-                    for i, j in T.Parallel(C, C):
-                        qk[i, j] = T.Select(j <= i and i < n, qk[i, j], T.float32(0))
+                    gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
                     T.copy(kbar, kbar_op[st, :, :])
                     T.copy(qk, p_op[st, :, :])
                     # The chain reads these (and the zeroed k / v rows) with wgmma, the async proxy.
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
             else:
-                T.set_max_nreg(_LOADER_REGS, 0)
+                T.set_max_nreg(LOADER_REGS, 0)
                 for c in T.serial(num_chunks):
-                    st = c % _STAGES
+                    st = c % STAGES
                     s = bos + c * C
                     # A slot is free once the chain released its previous chunk; on the
                     # first lap round the ring there is none, and the wait passes.
-                    T.barrier_wait(consumed[st], (c // _STAGES) % 2 ^ 1)
+                    T.barrier_wait(consumed[st], (c // STAGES) % 2 ^ 1)
                     T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(v[s : s + C, hv, v0 : v0 + block_v], v_tile[st, :, :], barrier=loaded[st])

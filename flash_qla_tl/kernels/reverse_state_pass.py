@@ -30,13 +30,11 @@ k and dO are zeroed before any GEMM reads them, ``Kbar``'s and ``dU``'s padded
 rows are selects to 0 (A_keys rows past a sequence's end may hold anything).
 """
 
+from .chunk_pipeline import (
+    CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
+    zero_rows_past,
+)
 from .inverse_norms import HEADS_PER_BOX, padded_heads
-
-_CHAIN_THREADS = 256
-_PREP_THREADS = 128
-_LOADER_THREADS = 128
-_CHAIN_REGS, _PREP_REGS, _LOADER_REGS = 152, 160, 40
-_STAGES = 2
 
 
 def build_reverse_state_pass(
@@ -81,7 +79,7 @@ def build_reverse_state_pass(
         initial_state_grad: T.Tensor([num_seqs, num_v_heads, K, V], accum),
     ):
         with T.Kernel(
-            V // block_v, num_v_heads, num_seqs, threads=_CHAIN_THREADS + _PREP_THREADS + _LOADER_THREADS
+            V // block_v, num_v_heads, num_seqs, threads=CHAIN_THREADS + PREP_THREADS + LOADER_THREADS
         ) as (iv, hv, seq):
             hk = hv // group
             v0 = iv * block_v
@@ -94,22 +92,22 @@ def build_reverse_state_pass(
             num_chunks = T.ceildiv(seqlen, C)
 
             # Input ring (TMA); step i of every role handles chunk num_chunks - 1 - i.
-            q_tile = T.alloc_shared([_STAGES, C, K], dtype)
-            k_tile = T.alloc_shared([_STAGES, C, K], dtype)
-            do_tile = T.alloc_shared([_STAGES, C, block_v], dtype)
-            a_keys_tile = T.alloc_shared([_STAGES, C, C], dtype)
-            gamma_tile = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
-            q_scale = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
-            k_scale = T.alloc_shared([_STAGES, C, HEADS_PER_BOX], accum)
+            q_tile = T.alloc_shared([STAGES, C, K], dtype)
+            k_tile = T.alloc_shared([STAGES, C, K], dtype)
+            do_tile = T.alloc_shared([STAGES, C, block_v], dtype)
+            a_keys_tile = T.alloc_shared([STAGES, C, C], dtype)
+            gamma_tile = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
+            q_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
+            k_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             # Operand ring (prep).
-            kbar_op = T.alloc_shared([_STAGES, C, K], dtype)  # Ak K, 0 past n
-            p_op = T.alloc_shared([_STAGES, C, C], dtype)  # P
-            gated_do_op = T.alloc_shared([_STAGES, C, block_v], dtype)  # diag(og) dO
-            decay_to_end = T.alloc_shared([_STAGES, C], accum)  # dte, 0 past n
-            chunk_decay = T.alloc_shared([_STAGES], accum)  # exp2(gamma_last)
-            loaded = T.alloc_barrier(arrive_count=[_LOADER_THREADS] * _STAGES)
-            prepared = T.alloc_barrier(arrive_count=[_PREP_THREADS] * _STAGES)
-            consumed = T.alloc_barrier(arrive_count=[_CHAIN_THREADS] * _STAGES)
+            kbar_op = T.alloc_shared([STAGES, C, K], dtype)  # Ak K, 0 past n
+            p_op = T.alloc_shared([STAGES, C, C], dtype)  # P
+            gated_do_op = T.alloc_shared([STAGES, C, block_v], dtype)  # diag(og) dO
+            decay_to_end = T.alloc_shared([STAGES, C], accum)  # dte, 0 past n
+            chunk_decay = T.alloc_shared([STAGES], accum)  # exp2(gamma_last)
+            loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
+            prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
+            consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
 
             ds_op = T.alloc_shared([K, block_v], dtype)  # dS'
             du_op = T.alloc_shared([C, block_v], dtype)  # dU
@@ -121,21 +119,21 @@ def build_reverse_state_pass(
             qk = T.alloc_fragment([C, C], accum)
 
             tx = T.get_thread_binding()
-            if tx < _CHAIN_THREADS:
-                T.set_max_nreg(_CHAIN_REGS, 1)
+            if tx < CHAIN_THREADS:
+                T.set_max_nreg(CHAIN_REGS, 1)
                 if has_final_state_grad:
                     T.copy(final_state_grad[seq, hv, :, v0 : v0 + block_v], ds)
                 else:
                     T.clear(ds)
 
                 for i in T.serial(num_chunks):
-                    st = i % _STAGES
+                    st = i % STAGES
                     c = num_chunks - 1 - i
                     s = bos + c * C
                     n = T.min(seqlen - c * C, C)
                     T.copy(ds, chunk_state_grads[bos // C + seq + c, hv, :, v0 : v0 + block_v])
                     T.copy(ds, ds_op)
-                    T.barrier_wait(prepared[st], (i // _STAGES) % 2)
+                    T.barrier_wait(prepared[st], (i // STAGES) % 2)
 
                     # Round 1: P^T dO and K dS' (dU's two terms), and dS's first two terms.
                     T.wgmma_gemm(p_op[st, :, :], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
@@ -159,23 +157,19 @@ def build_reverse_state_pass(
                     T.barrier_arrive(consumed[st])
 
                 T.copy(ds, initial_state_grad[seq, hv, :, v0 : v0 + block_v])
-            elif tx < _CHAIN_THREADS + _PREP_THREADS:
-                T.set_max_nreg(_PREP_REGS, 1)
+            elif tx < CHAIN_THREADS + PREP_THREADS:
+                T.set_max_nreg(PREP_REGS, 1)
                 for i in T.serial(num_chunks):
-                    st = i % _STAGES
+                    st = i % STAGES
                     c = num_chunks - 1 - i
                     n = T.min(seqlen - c * C, C)
-                    T.barrier_wait(loaded[st], (i // _STAGES) % 2)
+                    T.barrier_wait(loaded[st], (i // STAGES) % 2)
 
                     # Only a sequence's last chunk is short: it is the first one handled, so
                     # no later TMA write to this stage races with these stores.
                     if n < C:
-                        for r, d in T.Parallel(C, K):
-                            if r >= n:
-                                k_tile[st, r, d] = 0
-                        for r, d in T.Parallel(C, block_v):
-                            if r >= n:
-                                do_tile[st, r, d] = 0
+                        zero_rows_past(k_tile, st, n, C, K)
+                        zero_rows_past(do_tile, st, n, C, block_v)
 
                     T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
                     T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
@@ -191,15 +185,7 @@ def build_reverse_state_pass(
                             T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn])
                     T.wait_wgmma(0)
 
-                    # P exactly as the forward builds it (see chunk_forward).
-                    for r, j in T.Parallel(C, C):
-                        qk[r, j] = (
-                            qk[r, j]
-                            * T.exp2(T.min(gamma_tile[st, r, hg] - gamma_tile[st, j, hg], T.float32(0)))
-                            * (scale * q_scale[st, r, hkn] * k_scale[st, j, hkn])
-                        )
-                    for r, j in T.Parallel(C, C):
-                        qk[r, j] = T.Select(j <= r and r < n, qk[r, j], T.float32(0))
+                    gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)  # P, as the forward
                     for r, d in T.Parallel(C, K):
                         kbar[r, d] = T.Select(r < n, kbar[r, d], T.float32(0))
                     T.copy(kbar, kbar_op[st, :, :])
@@ -207,11 +193,11 @@ def build_reverse_state_pass(
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
             else:
-                T.set_max_nreg(_LOADER_REGS, 0)
+                T.set_max_nreg(LOADER_REGS, 0)
                 for i in T.serial(num_chunks):
-                    st = i % _STAGES
+                    st = i % STAGES
                     s = bos + (num_chunks - 1 - i) * C
-                    T.barrier_wait(consumed[st], (i // _STAGES) % 2 ^ 1)
+                    T.barrier_wait(consumed[st], (i // STAGES) % 2 ^ 1)
                     T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(do[s : s + C, hv, v0 : v0 + block_v], do_tile[st, :, :], barrier=loaded[st])
