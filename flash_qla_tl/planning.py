@@ -31,8 +31,11 @@ def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
 
     A tensor passed again unchanged (same object, same version counter, which
     every in-place write bumps) is answered from memory without synchronising.
+    Inference tensors have no version counter, so they are read every time.
     Not for use during CUDA-graph capture.
     """
+    if cu_seqlens.is_inference():
+        return tuple(cu_seqlens.tolist())
     for ref, version, values in _HOST_OFFSETS:
         if ref() is cu_seqlens and version == cu_seqlens._version:
             return values

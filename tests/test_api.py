@@ -153,3 +153,15 @@ def test_mixed_devices_are_rejected_on_cpu_too():
 def test_cpu_inputs_take_the_reference_path():
     x = make_inputs(length=4, kdim=128, vdim=128, hv=8, dtype=torch.bfloat16)
     assert fq.forward_backend(x["q"], x["k"], x["v"]) == "reference"
+
+
+def test_inference_mode_with_packed_sequences():
+    """Prefill under torch.inference_mode: offsets without a version counter are still checked and used."""
+    x = make_inputs(seqs=[5, 0, 70])
+    with torch.inference_mode():
+        cu = x["cu_seqlens"].clone()
+        o, _ = fq.chunk_gated_delta_rule(**{**x, "cu_seqlens": cu})
+        cu[1] = 2  # sequences of 2, 3 and 70 tokens now
+        o_moved, _ = fq.chunk_gated_delta_rule(**{**x, "cu_seqlens": cu})
+    want, _ = reference.recurrent_gated_delta_rule(**{**x, "cu_seqlens": torch.tensor([0, 2, 5, 75])})
+    assert rel_rms(o_moved, want) < 1e-10 and not torch.equal(o, o_moved)

@@ -36,3 +36,11 @@ def test_host_offsets_are_read_once_per_tensor_and_again_after_a_write():
     other = torch.tensor([0, 5, 10], dtype=torch.int32)
     assert planning.host_offsets(other) == (0, 5, 10)
 
+
+
+def test_host_offsets_of_inference_tensors_are_read_every_time():
+    with torch.inference_mode():  # no version counter to trust
+        cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+        assert planning.host_offsets(cu) == (0, 3, 10)
+        cu[1] = 5
+        assert planning.host_offsets(cu) == (0, 5, 10)
