@@ -52,13 +52,6 @@ def segment_length(total_tokens: int, num_seqs: int, num_programs: int, device: 
     return -(-mean_length // (split * CHUNK)) * CHUNK
 
 
-@functools.lru_cache(maxsize=64)
-def host_segment_table(offsets: tuple[int, ...], total_tokens: int, seg_len: int, device: torch.device):
-    """:func:`segment_table` of offsets known on the host, built there once and copied to ``device``."""
-    table = segment_table(torch.tensor(offsets, dtype=torch.int32), total_tokens, seg_len)
-    return tuple(planning.to_device(x, device) for x in table)
-
-
 def segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int):
     """Cut every sequence into segments of ``seg_len`` tokens (the last one shorter).
 

@@ -105,7 +105,6 @@ class ChunkOperands:
     a_keys: torch.Tensor  # [T, Hv, 64]
     a_values: torch.Tensor  # [T, Hv, 64]
     cu_seqlens: torch.Tensor  # [N + 1] int32 (dense batches too)
-    offsets: tuple[int, ...] | None  # the same on the host (None during CUDA-graph capture)
     scale: float
     dtype: str  # the kernels' name for q's dtype
 
@@ -126,18 +125,11 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens)
     dtype = KERNEL_DTYPES[q.dtype]
     device = q.device
     total = batch * length
-    # The chunk table: from the host's copy of the offsets (planning's docstring),
-    # or built on the device while a CUDA graph is captured.
     if cu_seqlens is None:
         cu_seqlens, bounds = planning.dense_tables(batch, length, device)
-        offsets = tuple(range(0, (batch + 1) * length, length))
-    else:
+    else:  # planned from the caller's tensor: its offsets are cached per tensor
+        bounds = planning.table(planning.chunk_bounds, cu_seqlens, total)
         cu_seqlens = cu_seqlens.to(torch.int32)
-        if torch.cuda.is_current_stream_capturing():
-            offsets, bounds = None, planning.chunk_bounds(cu_seqlens, total)
-        else:
-            offsets = planning.host_offsets(cu_seqlens)
-            bounds = planning.host_chunk_bounds(offsets, total, device)
     q, k, v = packed_tokens(q), packed_tokens(k), packed_tokens(v)
     # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm.
     norm_shape = (total, padded_heads(hqk))
@@ -154,7 +146,7 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens)
     a_keys, a_values = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) for _ in range(2))
     prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype)
     prep(k, k_norm, g, beta, bounds, gamma, a_keys, a_values)
-    return ChunkOperands(q, k, v, q_norm, k_norm, gamma, a_keys, a_values, cu_seqlens, offsets,
+    return ChunkOperands(q, k, v, q_norm, k_norm, gamma, a_keys, a_values, cu_seqlens,
                          reference.query_scale(scale, kdim), dtype)
 
 
@@ -207,9 +199,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     if seg_len is None:
         ht = run(ops.v, ops.cu_seqlens, h0, output_final_state)
     else:
-        seg_cu, first_segment, num_segments = (
-            context_parallel.segment_table(ops.cu_seqlens, total, seg_len) if ops.offsets is None
-            else context_parallel.host_segment_table(ops.offsets, total, seg_len, device))
+        seg_cu, first_segment, num_segments = planning.table(
+            context_parallel.segment_table, ops.cu_seqlens if cu_seqlens is None else cu_seqlens, total, seg_len)
         num_segs = seg_cu.numel() - 1
         offset = run(ops.v, seg_cu, None, True)  # h: from a zero state (o is overwritten below)
         identity = torch.eye(kdim, device=device).expand(num_segs, hv, kdim, kdim).contiguous()

@@ -1,15 +1,17 @@
-"""Work lists for the kernels, built on the device with no host synchronisation.
+"""Work lists for the kernels: tables of chunks and segments, built without stalling the GPU.
 
 A kernel's grid must be sized on the host, but the sequence lengths live on the
 device.  So grids use an upper bound known from shapes alone, and the table
-tells each program what it covers (or that it covers nothing).  Nothing here
-reads a device value on the host, which keeps CUDA-graph capture possible.
+tells each program what it covers (or that it covers nothing).
 
-Outside capture the offsets are read on the host once per tensor
-(:func:`host_offsets`: validation needs them anyway) and the tables are built
-there, cached by content, and copied over: no kernel launches, and for offsets
-seen before no synchronisation either, so the host prepares a call while the
-GPU still runs the previous one (H200 profile in BENCHMARKS.md, "Host overhead").
+Every table is a function of the offsets, written once in PyTorch; :func:`table`
+decides where it runs.  Outside CUDA-graph capture the offsets are read on the
+host once per tensor (:func:`host_offsets`: validation needs them anyway) and
+the table is built there, cached by content, and copied over asynchronously: no
+kernel launches, and for offsets seen before no synchronisation either, so the
+host prepares a call while the GPU still runs the previous one (BENCHMARKS.md,
+"Forward, summary").  During capture nothing may be read on the host, and the
+same function builds the table on the device.
 """
 
 from __future__ import annotations
@@ -45,9 +47,21 @@ def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     return values
 
 
-def to_device(table: torch.Tensor, device) -> torch.Tensor:
-    """A table planned on the host, copied without waiting for the GPU (pinned source, async copy)."""
-    return table.pin_memory().to(device, non_blocking=True)
+def table(build, cu_seqlens: torch.Tensor, *args):
+    """``build(cu_seqlens, *args)``: on the host from cached offsets, or on the device during graph capture."""
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return build(cu_seqlens, *args)
+    return _host_table(build, host_offsets(cu_seqlens), args, cu_seqlens.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _host_table(build, offsets: tuple[int, ...], args: tuple, device: torch.device):
+    built = build(torch.tensor(offsets, dtype=torch.int32), *args)
+    if device.type == "cpu":
+        return built
+    # Pinned source, asynchronous copy: the host does not wait for the GPU's queue.
+    copy = lambda x: x.pin_memory().to(device, non_blocking=True)
+    return tuple(map(copy, built)) if isinstance(built, tuple) else copy(built)
 
 
 def dense_cu_seqlens(batch: int, length: int, device) -> torch.Tensor:
@@ -82,12 +96,6 @@ def split_sequences(cu_seqlens: torch.Tensor, total_tokens: int, size: int):
     start = torch.where(real, cu[seq] + (piece - first[seq]) * size, cu[-1])
     end = torch.where(real, torch.minimum(start + size, cu[seq + 1]), cu[-1])
     return start, end, first, count
-
-
-@functools.lru_cache(maxsize=64)
-def host_chunk_bounds(offsets: tuple[int, ...], total_tokens: int, device: torch.device) -> torch.Tensor:
-    """:func:`chunk_bounds` of offsets known on the host, built there once and copied to ``device``."""
-    return to_device(chunk_bounds(torch.tensor(offsets, dtype=torch.int32), total_tokens), device)
 
 
 def chunk_bounds(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:

@@ -44,3 +44,12 @@ def test_host_offsets_of_inference_tensors_are_read_every_time():
         assert planning.host_offsets(cu) == (0, 3, 10)
         cu[1] = 5
         assert planning.host_offsets(cu) == (0, 5, 10)
+
+
+def test_tables_are_built_once_per_offsets_and_again_after_a_write():
+    cu = torch.tensor([0, 0, 1, 64, 65, 300], dtype=torch.int32)
+    first = planning.table(planning.chunk_bounds, cu, 300)
+    assert torch.equal(first, planning.chunk_bounds(cu, 300))
+    assert planning.table(planning.chunk_bounds, cu, 300) is first  # same offsets: the cached table
+    cu[2] = 30
+    assert torch.equal(planning.table(planning.chunk_bounds, cu, 300), planning.chunk_bounds(cu, 300))
