@@ -48,13 +48,10 @@ row r depends on its left operand's row r only).
 
 from .chunk_pipeline import (
     CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
-    zero_rows_past,
+    head_columns, load_gates, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
-# gamma [T, Hv] and the norms [T, Hqk padded] are fp32: a TMA box must span at
-# least 16 bytes along the head axis, so each chunk loads the values of
-# HEADS_PER_BOX = 4 neighbouring heads and picks its own column.
 
 
 def build_chunk_forward(
@@ -109,12 +106,8 @@ def build_chunk_forward(
         with T.Kernel(
             V // block_v, num_v_heads, num_seqs, threads=CHAIN_THREADS + PREP_THREADS + LOADER_THREADS
         ) as (iv, hv, seq):
-            hk = hv // group
+            hk, h0, hg, hk0, hkn = head_columns(hv, group)
             v0 = iv * block_v
-            h0 = hv - hv % HEADS_PER_BOX
-            hg = hv % HEADS_PER_BOX  # this head's column in the gamma tile
-            hk0 = hk - hk % HEADS_PER_BOX
-            hkn = hk % HEADS_PER_BOX  # its q/k head's column in the norm tiles
             bos = cu_seqlens[seq]
             seqlen = cu_seqlens[seq + 1] - bos
             num_chunks = T.ceildiv(seqlen, C)
@@ -249,9 +242,7 @@ def build_chunk_forward(
                     T.tma_copy(v[s : s + C, hv, v0 : v0 + block_v], v_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(A_values[s : s + C, hv, :], a_values_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(gamma[s : s + C, h0 : h0 + HEADS_PER_BOX], gamma_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(q_norm[s : s + C, hk0 : hk0 + HEADS_PER_BOX], q_scale[st, :, :], barrier=loaded[st])
-                    T.tma_copy(k_norm[s : s + C, hk0 : hk0 + HEADS_PER_BOX], k_scale[st, :, :], barrier=loaded[st])
+                    load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
                     T.barrier_arrive(loaded[st])
 
     return chunk_forward

@@ -10,6 +10,8 @@ that do not depend on the direction of the walk.
 
 import tilelang.language as T
 
+from .inverse_norms import HEADS_PER_BOX
+
 # Warp roles, in thread order: chain, prep, loader.
 CHAIN_THREADS = 256
 PREP_THREADS = 128
@@ -17,6 +19,26 @@ LOADER_THREADS = 128
 # 128 * (2 * 152 + 160 + 40) = 64512 <= 64K registers per SM.
 CHAIN_REGS, PREP_REGS, LOADER_REGS = 152, 160, 40
 STAGES = 2
+
+
+def head_columns(hv, group):
+    """``(hk, h0, hg, hk0, hkn)`` for value head ``hv``: its q/k head, and where the per-token fp32 values
+    of both heads sit in the TMA boxes of HEADS_PER_BOX heads (first head of the box, column in it).
+
+    gamma [T, Hv] and the norms [T, Hqk padded] are fp32: a TMA box must span at
+    least 16 bytes along the head axis, so a chunk loads the values of 4
+    neighbouring heads and picks its own column.
+    """
+    hk = hv // group
+    return hk, hv - hv % HEADS_PER_BOX, hv % HEADS_PER_BOX, hk - hk % HEADS_PER_BOX, hk % HEADS_PER_BOX
+
+
+@T.macro
+def load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, barriers, chunk):
+    """TMA loads of a chunk's gate cumsum and inverse norms (boxes of HEADS_PER_BOX heads, see head_columns)."""
+    T.tma_copy(gamma[s : s + chunk, h0 : h0 + HEADS_PER_BOX], gamma_tile[st, :, :], barrier=barriers[st])
+    T.tma_copy(q_norm[s : s + chunk, hk0 : hk0 + HEADS_PER_BOX], q_scale[st, :, :], barrier=barriers[st])
+    T.tma_copy(k_norm[s : s + chunk, hk0 : hk0 + HEADS_PER_BOX], k_scale[st, :, :], barrier=barriers[st])
 
 
 @T.macro

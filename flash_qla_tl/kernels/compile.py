@@ -3,8 +3,8 @@
 Kernels are factories: ``build(config) -> PrimFunc`` with sequence lengths left
 symbolic, so one compiled binary serves every length.  The first call for a
 config lowers and builds it; TileLang's disk cache (``TILELANG_CACHE_DIR``) lets
-a second process load it instead (BENCHMARKS.md, "Cold start": 19.0 s against
-1.98 s for a first call on an H200).
+a second process load it instead (BENCHMARKS.md, "Cold start": 21.4 s against
+2.22 s for a first call on an H200).
 The target is explicit, so the same cubins build on a machine without a GPU.
 """
 
