@@ -35,7 +35,8 @@ def _output_grads(x, seed=1):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(x["v"].dtype)
     num_seqs = x["cu_seqlens"].numel() - 1 if "cu_seqlens" in x else x["v"].shape[0]
-    dht = torch.randn(num_seqs, x["v"].shape[2], D, D, generator=gen, device="cuda") * 0.1
+    dht = torch.randn(num_seqs, x["v"].shape[2], x["k"].shape[-1], x["v"].shape[-1], generator=gen,
+                      device="cuda") * 0.1
     return do, dht
 
 
@@ -95,6 +96,22 @@ def test_non_contiguous_inputs():
 @pytest.mark.parametrize("hqk,hv", [(16, 64), (16, 32), (8, 16), (4, 8), (2, 4)])
 def test_head_configs(hqk, hv):
     _check(_inputs(seqs=[300, 1, 129], hqk=hqk, hv=hv, initial_state=True), l2norm=True)
+
+
+@pytest.mark.parametrize("shape", [dict(kdim=64, vdim=64), dict(kdim=D, vdim=D, dtype=torch.float32)],
+                         ids=["head dim 64", "fp32"])
+def test_unsupported_inputs_differentiate_through_the_pytorch_backward(shape, monkeypatch):
+    """Where the forward takes the reference path, so does the backward: never the kernels, still exact."""
+    def no_kernels(*args):
+        raise AssertionError("the Hopper backward ran on inputs its kernels do not support")
+
+    monkeypatch.setattr(hopper_backward, "chunk_backward", no_kernels)
+    x = make_inputs(**{"seqs": [40, 1, 90], "initial_state": True, "dtype": torch.bfloat16, "device": "cuda", **shape})
+    assert fq.forward_backend(x["q"], x["k"], x["v"]) == "reference"
+    do, dht = _output_grads(x)
+    got, want = _grads(x, do, dht, True), _grads(x, do, dht, True, dtype=torch.float64)
+    errors = {n: rel_rms(got[n], want[n]) for n in got}
+    assert all(errors[n] <= TOL[n] for n in errors), errors
 
 
 def test_kernel_walks_match_the_torch_walks(monkeypatch):
