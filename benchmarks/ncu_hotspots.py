@@ -1,7 +1,7 @@
 """The SASS instructions where a kernel's warps stall most, from ncu's source page (CSV).
 
     ncu --section WarpStateStats --section SourceCounters --page source --csv --print-source sass \\
-        -k regex:chunk_forward --launch-count 1 python benchmarks/profile_forward.py > ncu_source.csv
+        -k regex:chunk_forward --launch-count 1 python benchmarks/profile_kernels.py > ncu_source.csv
     python benchmarks/ncu_hotspots.py ncu_source.csv
 """
 

@@ -1,16 +1,19 @@
-"""Intra-card context parallelism for the forward (DESIGN.md section 3).
+"""Intra-card context parallelism for the state passes (DESIGN.md section 3).
 
-The state pass is sequential over a sequence's chunks, so a few long sequences
-with few heads leave most SMs idle.  Each long sequence is cut into segments
-that run side by side:
+The state passes are sequential over a sequence's chunks, so a few long
+sequences with few heads leave most SMs idle.  Each long sequence is cut into
+segments that run side by side (:func:`chain_segments`):
 
 1. every segment runs from a zero state, giving ``h_seg``, and from the identity
    with zero values, giving its transition ``M_seg`` (the state map is affine:
    ``S_end = M_seg S_start + h_seg``);
 2. a short scan (``kernels/segment_scan.py``, fp32) gives every segment its true
    entry state ``S_{i+1} = M_i S_i + h_i`` and every sequence its final state;
-3. all segments run the normal fused pass from their entry states.
+3. all segments run the normal pass from their entry states.
 
+The backward's reverse pass is affine in the same way (the gradient entering a
+segment is ``L_seg dS_leaving + b_seg``), walked from each sequence's end: the
+scan then runs over the segments in reverse order (:func:`reversed_segments`).
 This is exact (no decay-based truncation).  It costs three passes instead of
 one, so it is used only when it spreads the work over at least
 ``MIN_SEGMENTS`` times more programs.  The plan reads shapes only, never device
@@ -60,6 +63,47 @@ def segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int):
     count; unused entries are empty segments at the end), and per sequence the
     index of its first segment and its number of segments.
     """
-    start, _, first_segment, num_segments = planning.split_sequences(cu_seqlens, total_tokens, seg_len)
+    start, _, _, first_segment, num_segments = planning.split_sequences(cu_seqlens, total_tokens, seg_len)
     seg_cu = torch.cat([start, cu_seqlens[-1:].to(torch.int64)]).to(torch.int32)
     return seg_cu, first_segment.to(torch.int32), num_segments.to(torch.int32)
+
+
+def segment_chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int) -> torch.Tensor:
+    """``planning.chunk_table`` of the segments: the same chunks (segments are whole chunks), with the state
+    slots a pass over the segments uses."""
+    seg_cu, _, _ = segment_table(cu_seqlens, total_tokens, seg_len)
+    return planning.chunk_table(seg_cu, total_tokens)
+
+
+def reversed_segments(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int) -> torch.Tensor:
+    """``[U]`` int64: the segment slots with each sequence's segments in reverse order (an involution;
+    unused slots map to themselves)."""
+    start, end, seq, first, count = planning.split_sequences(cu_seqlens, total_tokens, seg_len)
+    slot = torch.arange(start.numel())
+    inside = (slot >= first[seq]) & (slot < first[seq] + count[seq])
+    return torch.where(inside, 2 * first[seq] + count[seq] - 1 - slot, slot)
+
+
+def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, order=None):
+    """Steps 1-3 of the module docstring for one affine pass over segments; returns each sequence's final state.
+
+    ``run(values, start, last)`` runs the pass over the segments ``seg_cu`` from the
+    per-segment states ``start`` (None: zero) and returns the states it ends in,
+    ``[U, Hv, K, V]`` fp32; ``last`` marks step 3, whose other outputs are the
+    real ones.  ``initial`` ``[N, Hv, K, V]`` fp32 starts each sequence; ``order``
+    (from :func:`reversed_segments`) makes the scan walk the segments backwards.
+    """
+    from .kernels.compile import compile_program
+    from .kernels.segment_scan import build_segment_scan
+
+    offset = run(values, None, False)
+    num_segs, hv, kdim, vdim = offset.shape
+    identity = torch.eye(kdim, device=offset.device).expand(num_segs, hv, kdim, kdim).contiguous()
+    transition = run(torch.zeros_like(values), identity, False)  # K == V: M rides in a state's columns
+    if order is not None:
+        transition, offset = transition[order], offset[order]
+    entry, final = torch.empty_like(offset), torch.empty_like(initial)
+    compile_program(build_segment_scan, hv, kdim, vdim)(transition, offset, initial, first_segment,
+                                                       num_segments, entry, final)
+    run(values, entry if order is None else entry[order], True)
+    return final

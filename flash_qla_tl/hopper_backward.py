@@ -1,75 +1,130 @@
-"""Launcher for the Hopper backward: the sequential walks as TileLang kernels, the rest in PyTorch.
+"""Launcher for the Hopper backward: the inputs' gradients from TileLang kernels only.
 
 ``chunked_backward.py`` is the backward written out: two walks over each
-sequence's chunks, then gradients local to every chunk.  Here the walks run on
-the forward's kernels:
+sequence's chunks, then gradients local to every chunk.  Here:
 
-1. ``prepare_chunks`` and one forward state pass with ``store_chunk_states``:
-   the state entering every chunk is recomputed (nothing is saved between the
-   forward and the backward but the inputs);
+1. ``prepare_chunks`` (with ``A0`` stored) and one forward state pass with
+   ``store_chunk_states``: the state entering every chunk is recomputed
+   (nothing is saved between the forward and the backward but the inputs);
 2. ``reverse_state_pass``: the state gradient walked backwards, giving ``dU``
-   per token, the gradient of the state leaving every chunk, and ``dh0``.
+   per token, the gradient of the state leaving every chunk, and ``dh0``;
+3. ``chunk_local_gradients``, one program per (chunk, value head): dq, dk per
+   value head (fp32), dv, dg, dbeta;
+4. ``qk_input_gradients``: dq and dk summed over each q/k head's value heads
+   (fp32, in a fixed order), the scale, and the l2norm's backward.
 
-Both use the slot ``bos // 64 + seq + c`` per chunk (chunk_forward's docstring),
-which :func:`_chunk_slots` maps onto ``Chunks``' chunk order.  The local
-gradients stay in PyTorch for now (fp32, every chunk at once, deterministic:
-no atomics anywhere).
+Chunk states live at slot ``bos // 64 + seq + c`` (chunk_forward's docstring,
+``planning.chunk_table``'s third column), of the sequences or, where the walks
+split them for context parallelism, of the segments.  Deterministic: no
+atomics anywhere.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import hopper_forward, planning
+from . import context_parallel, hopper_forward, planning
 from .chunked_backward import chunked_gated_delta_rule_backward
-from .reference import CHUNK, Chunks
+from .reference import CHUNK
 
 
-def _chunk_slots(c: Chunks, seq_starts: list[int]) -> torch.Tensor:
-    """The kernels' slot of each of ``c``'s chunks, given each sequence's first packed token."""
-    starts = torch.tensor(seq_starts, dtype=torch.long)
-    return (starts[c.seq] // CHUNK + c.seq + c.pos).to(c.v.device)
+def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, num_seqs, h0, dht):
+    """Steps 1-2: ``(chunk_states, chunk_state_grads, du, dh0, chunk_table)``.
+
+    States ``[T // 64 + pieces + 1, Hv, K, V]`` and du are in q's dtype (the local
+    gradients read them as GEMM operands), dh0 fp32.  Where the forward would split
+    sequences into segments (``plan_state_pass``), both walks do too
+    (``context_parallel.chain_segments``; the reverse one scans the segments
+    backwards), and the states' slots are the segments': ``chunk_table`` is the
+    table whose slots they use.
+    """
+    from .kernels.compile import compile_program
+    from .kernels.reverse_state_pass import build_reverse_state_pass
+
+    hqk, hv, kdim, vdim, dtype = ops.config
+    total, device = ops.v.shape[0], ops.v.device
+    plan = hopper_forward.plan_state_pass(total, num_seqs, hv, device)
+    seg_len = plan.segment_tokens
+    if seg_len is None:
+        offsets, chunk_table = ops.cu_seqlens, ops.chunk_table
+    else:
+        offsets, first_segment, num_segments = planning.table(
+            context_parallel.segment_table, ops.plan_offsets, total, seg_len)
+        chunk_table = planning.table(context_parallel.segment_chunk_table, ops.plan_offsets, total, seg_len)
+    states = torch.empty(total // CHUNK + offsets.numel(), hv, kdim, vdim, dtype=ops.v.dtype, device=device)
+    state_grads, du, scratch_o = torch.empty_like(states), torch.empty_like(ops.v), torch.empty_like(ops.v)
+    placeholder = hopper_forward.placeholder_state(hv, kdim, vdim, device)
+
+    def forward(values, start, last):
+        return hopper_forward.state_pass(ops, values, offsets, start, not last, scratch_o, plan.block_v,
+                                         chunk_states=states if last else None)
+
+    def reverse(d_out, end, last):
+        grads = torch.empty(offsets.numel() - 1, hv, kdim, vdim, dtype=torch.float32, device=device)
+        kernel = compile_program(build_reverse_state_pass, hqk, hv, kdim, vdim, dtype, end is not None, plan.block_v)
+        kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, d_out, ops.gamma, ops.a_keys, offsets,
+               placeholder if end is None else end, ops.scale, du, state_grads, grads)
+        return grads
+
+    end = None if dht is None else dht.float().contiguous()
+    if seg_len is None:
+        forward(ops.v, h0, True)
+        return states, state_grads, du, reverse(do_packed, end, True), chunk_table
+    zero = lambda: torch.zeros(num_seqs, hv, kdim, vdim, device=device)
+    context_parallel.chain_segments(forward, ops.v, zero() if h0 is None else h0, offsets, first_segment,
+                                    num_segments)
+    order = planning.table(context_parallel.reversed_segments, ops.plan_offsets, total, seg_len)
+    dh0 = context_parallel.chain_segments(reverse, do_packed, zero() if end is None else end, offsets,
+                                          first_segment, num_segments, order)
+    return states, state_grads, du, dh0, chunk_table
+
+
+def kernel_local_gradients(ops: hopper_forward.ChunkOperands, do_packed, states, state_grads, du, chunk_table):
+    """Step 3: ``(dq, dk, dv, dg, dbeta)`` per token ``[T, Hv, ...]``; dq, dk those of the prepared q, k (fp32).
+
+    ``chunk_table``'s slots index ``states`` and ``state_grads`` (kernel_walks' table).
+    """
+    from .kernels.chunk_local_gradients import build_chunk_local_gradients
+    from .kernels.compile import compile_program
+
+    hqk, hv, kdim, vdim, dtype = ops.config
+    total, device = ops.v.shape[0], ops.v.device
+    dq, dk = (torch.empty(total, hv, kdim, dtype=torch.float32, device=device) for _ in range(2))
+    dv = torch.empty_like(ops.v)
+    dg, dbeta = (torch.empty(total, hv, dtype=torch.float32, device=device) for _ in range(2))
+    local = compile_program(build_chunk_local_gradients, hqk, hv, kdim, vdim, dtype)
+    local(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v, do_packed, du, ops.gamma, ops.beta, ops.a_keys,
+          ops.a_values, ops.a_inverse, chunk_table, states, state_grads, ops.scale, dq, dk, dv, dg, dbeta)
+    return dq, dk, dv, dg, dbeta
+
+
+def qk_input_gradients(ops: hopper_forward.ChunkOperands, d, x, x_norm, factor, l2norm):
+    """Step 4 for q or k: ``d`` (per value head, fp32) -> the input's gradient ``[T, Hqk, K]`` in its dtype."""
+    from .kernels.compile import compile_program
+    from .kernels.qk_input_gradients import build_qk_input_gradients
+
+    hqk, hv, kdim, _, dtype = ops.config
+    dx = torch.empty_like(x)
+    compile_program(build_qk_input_gradients, hqk, hv, kdim, dtype, l2norm)(d, x, x_norm, factor, dx)
+    return dx
 
 
 def chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
                    use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     """The backward on Hopper; same contract as ``api.chunk_gated_delta_rule_bwd``."""
-    from .kernels.compile import compile_program
-    from .kernels.reverse_state_pass import build_reverse_state_pass
-
     batch, length = v.shape[:2]
     if batch * length == 0:
         return chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
                                                  use_qk_l2norm_in_kernel, cu_seqlens)
     num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    seq_starts = ([b * length for b in range(batch)] if cu_seqlens is None
-                  else planning.host_offsets(cu_seqlens)[:-1])
-
-    def kernel_walks(c: Chunks, state0, d_out, dht_):
-        ops = hopper_forward.prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens)
-        hqk, hv, kdim, vdim, dtype = ops.config
-        total, device = ops.v.shape[0], ops.v.device
-        plan = hopper_forward.plan_state_pass(total, num_seqs, hv, device)
-        slots = total // CHUNK + num_seqs + 1
-        s_in = torch.empty(slots, hv, kdim, vdim, dtype=torch.float32, device=device)
-        scratch_o = torch.empty_like(ops.v)
-        h0 = None if initial_state is None else state0.float().contiguous()
-        hopper_forward.state_pass(ops, ops.v, ops.cu_seqlens, h0, False, scratch_o, plan.block_v,
-                                  chunk_states=s_in)
-
-        do_packed = hopper_forward.packed_tokens(do.to(q.dtype))
-        d_u = torch.empty(total, hv, vdim, dtype=torch.float32, device=device)
-        ds_out = torch.empty_like(s_in)
-        dh0 = torch.empty(num_seqs, hv, kdim, vdim, dtype=torch.float32, device=device)
-        reverse = compile_program(build_reverse_state_pass, hqk, hv, kdim, vdim, dtype, dht_ is not None,
-                                  plan.block_v)
-        placeholder = hopper_forward.placeholder_state(hv, kdim, vdim, device)
-        reverse(ops.q, ops.k, ops.q_norm, ops.k_norm, do_packed, ops.gamma, ops.a_keys, ops.cu_seqlens,
-                placeholder if dht_ is None else dht_.float().contiguous(), ops.scale, d_u, ds_out, dh0)
-
-        index = _chunk_slots(c, seq_starts)
-        d_u = torch.cat([d_u, d_u.new_zeros(1, hv, vdim)])[c.token].transpose(1, 2)
-        return s_in[index], ds_out[index], d_u, dh0
-
-    return chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
-                                             use_qk_l2norm_in_kernel, cu_seqlens, walks=kernel_walks)
+    ops = hopper_forward.prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
+                                        store_inverse=True)
+    do_packed = hopper_forward.packed_tokens(do.to(q.dtype))
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    states, state_grads, du, dh0, chunk_table = kernel_walks(ops, do_packed, num_seqs, h0, dht)
+    dq, dk, dv, dg, dbeta = kernel_local_gradients(ops, do_packed, states, state_grads, du, chunk_table)
+    dq, dk = (qk_input_gradients(ops, d, x, norms, factor, use_qk_l2norm_in_kernel)
+              for d, x, norms, factor in ((dq, ops.q, ops.q_norm, ops.scale), (dk, ops.k, ops.k_norm, 1.0)))
+    unpack = lambda x, like: x.view(*like.shape[:2], *x.shape[1:]).to(like.dtype)
+    return (unpack(dq, q), unpack(dk, k), unpack(dv, v), unpack(dg, g), unpack(dbeta, beta),
+            None if initial_state is None else dh0.to(initial_state.dtype))

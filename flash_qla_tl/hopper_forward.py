@@ -101,10 +101,14 @@ class ChunkOperands:
     v: torch.Tensor  # [T, Hv, V]
     q_norm: torch.Tensor  # [T, Hqk padded to 4] fp32 inverse norms, or ones
     k_norm: torch.Tensor
+    beta: torch.Tensor  # [T, Hv] fp32
     gamma: torch.Tensor  # [T, Hv] fp32, chunk-local cumsum of g in log2 units
     a_keys: torch.Tensor  # [T, Hv, 64]
     a_values: torch.Tensor  # [T, Hv, 64]
+    a_inverse: torch.Tensor | None  # [T, Hv, 64] A0 (the backward's), else None
     cu_seqlens: torch.Tensor  # [N + 1] int32 (dense batches too)
+    chunk_table: torch.Tensor  # [U, 3] int32, planning.chunk_table
+    plan_offsets: torch.Tensor  # what tables are planned from: the caller's cu_seqlens (cached per tensor)
     scale: float
     dtype: str  # the kernels' name for q's dtype
 
@@ -114,8 +118,8 @@ class ChunkOperands:
         return self.q.shape[1], self.v.shape[1], self.q.shape[2], self.v.shape[2], self.dtype
 
 
-def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens) -> ChunkOperands:
-    """Steps 0 and 1 of the module docstring on non-empty validated inputs."""
+def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=False) -> ChunkOperands:
+    """Steps 0 and 1 of the module docstring on non-empty validated inputs (``store_inverse``: keep A0 too)."""
     from .kernels.chunk_prep import build_chunk_prep
     from .kernels.compile import compile_program
     from .kernels.inverse_norms import build_inverse_norms, padded_heads
@@ -126,10 +130,10 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens)
     device = q.device
     total = batch * length
     if cu_seqlens is None:
-        cu_seqlens, bounds = planning.dense_tables(batch, length, device)
+        cu_seqlens, chunks = planning.dense_tables(batch, length, device)
     else:  # planned from the caller's tensor: its offsets are cached per tensor
-        bounds = planning.table(planning.chunk_bounds, cu_seqlens, total)
-        cu_seqlens = cu_seqlens.to(torch.int32)
+        chunks = planning.table(planning.chunk_table, cu_seqlens, total)
+    plan_offsets, cu_seqlens = cu_seqlens, cu_seqlens.to(torch.int32)
     q, k, v = packed_tokens(q), packed_tokens(k), packed_tokens(v)
     # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm.
     norm_shape = (total, padded_heads(hqk))
@@ -144,17 +148,19 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens)
 
     gamma = torch.empty(total, hv, dtype=torch.float32, device=device)
     a_keys, a_values = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) for _ in range(2))
-    prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype)
-    prep(k, k_norm, g, beta, bounds, gamma, a_keys, a_values)
-    return ChunkOperands(q, k, v, q_norm, k_norm, gamma, a_keys, a_values, cu_seqlens,
-                         reference.query_scale(scale, kdim), dtype)
+    a_inverse = torch.empty(total, hv, 64, dtype=q.dtype, device=device) if store_inverse else None
+    prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype, store_inverse)
+    prep(k, k_norm, g, beta, chunks, gamma, a_keys, a_values,
+         a_inverse if store_inverse else placeholder((1, hv, 64), q.dtype, device))
+    return ChunkOperands(q, k, v, q_norm, k_norm, beta, gamma, a_keys, a_values, a_inverse, cu_seqlens, chunks,
+                         plan_offsets, reference.query_scale(scale, kdim), dtype)
 
 
 def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, chunk_states=None):
     """One fused pass (step 2) over the sequences ``offsets`` describes; returns their final states.
 
-    ``chunk_states`` (``[T // 64 + N + 1, Hv, K, V]`` fp32, or None) receives the
-    state entering every chunk (the backward's recompute; see chunk_forward).
+    ``chunk_states`` (``[T // 64 + N + 1, Hv, K, V]`` in q's dtype, or None) receives
+    the state entering every chunk (the backward's recompute; see chunk_forward).
     """
     from .kernels.chunk_forward import build_chunk_forward
     from .kernels.compile import compile_program
@@ -168,7 +174,7 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, 
                              block_v, chunk_states is not None)
     kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, values, ops.gamma, ops.a_keys, ops.a_values, offsets,
            placeholder if h0 is None else h0, ops.scale, out, ht,
-           placeholder if chunk_states is None else chunk_states)
+           placeholder_state(hv, kdim, vdim, device, ops.v.dtype) if chunk_states is None else chunk_states)
     return ht
 
 
@@ -178,9 +184,6 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
 
     ``plan`` overrides :func:`plan_state_pass` (benchmarks compare plans with it).
     """
-    from .kernels.compile import compile_program
-    from .kernels.segment_scan import build_segment_scan
-
     batch, length, _, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -194,22 +197,14 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
     plan = plan or plan_state_pass(total, num_seqs, hv, device)
-    seg_len = plan.segment_tokens  # K == V: a segment's transition M (K x K) rides in a state's V columns
-    run = lambda values, offsets, h0, store_ht: state_pass(ops, values, offsets, h0, store_ht, o, plan.block_v)
-    if seg_len is None:
-        ht = run(ops.v, ops.cu_seqlens, h0, output_final_state)
+    if plan.segment_tokens is None:
+        ht = state_pass(ops, ops.v, ops.cu_seqlens, h0, output_final_state, o, plan.block_v)
     else:
         seg_cu, first_segment, num_segments = planning.table(
-            context_parallel.segment_table, ops.cu_seqlens if cu_seqlens is None else cu_seqlens, total, seg_len)
-        num_segs = seg_cu.numel() - 1
-        offset = run(ops.v, seg_cu, None, True)  # h: from a zero state (o is overwritten below)
-        identity = torch.eye(kdim, device=device).expand(num_segs, hv, kdim, kdim).contiguous()
-        transition = run(torch.zeros_like(ops.v), seg_cu, identity, True)  # M: from I, no values
+            context_parallel.segment_table, ops.plan_offsets, total, plan.segment_tokens)
         initial = h0 if h0 is not None else torch.zeros(num_seqs, hv, kdim, vdim, device=device)
-        entry, ht = torch.empty_like(offset), torch.empty_like(initial)
-        scan = compile_program(build_segment_scan, hv, kdim, vdim)
-        scan(transition, offset, initial, first_segment, num_segments, entry, ht)
-        run(ops.v, seg_cu, entry, False)
+        run = lambda values, start, last: state_pass(ops, values, seg_cu, start, not last, o, plan.block_v)
+        ht = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
     if torch.cuda.is_current_stream_capturing():
         # Offsets were not checked on the host: keep tokens past cu_seqlens[-1] defined.
         o.masked_fill_((torch.arange(total, device=device) >= ops.cu_seqlens[-1])[:, None, None], 0)
@@ -217,6 +212,11 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
 
 
 @functools.lru_cache(maxsize=None)
-def placeholder_state(hv, kdim, vdim, device):
+def placeholder(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros standing in for a kernel argument its build does not read (one row: the rows are their own symbol)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def placeholder_state(hv, kdim, vdim, device, dtype=torch.float32):
     """A one-sequence state for a kernel built without that state argument's use."""
-    return torch.zeros(1, hv, kdim, vdim, dtype=torch.float32, device=device)
+    return placeholder((1, hv, kdim, vdim), dtype, device)

@@ -71,9 +71,9 @@ def dense_cu_seqlens(batch: int, length: int, device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def dense_tables(batch: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cu_seqlens, chunk_bounds)`` of a dense batch, built once per shape and device."""
+    """``(cu_seqlens, chunk_table)`` of a dense batch, built once per shape and device."""
     cu = dense_cu_seqlens(batch, length, device)
-    return cu, chunk_bounds(cu, batch * length)
+    return cu, chunk_table(cu, batch * length)
 
 
 def split_sequences(cu_seqlens: torch.Tensor, total_tokens: int, size: int):
@@ -83,7 +83,8 @@ def split_sequences(cu_seqlens: torch.Tensor, total_tokens: int, size: int):
     sequence adds at most one partial piece).  Returns ``(start, end, first, count)``:
     the token range of every piece slot (slots past the real pieces are the empty
     range at ``cu_seqlens[-1]``), and per sequence the index of its first piece and
-    its number of pieces, all int64.
+    its number of pieces, all int64.  Also ``seq``: each piece slot's sequence
+    (clamped to the last one for slots past the real pieces).
     """
     num_seqs = cu_seqlens.numel() - 1
     cu = cu_seqlens.to(torch.int64)
@@ -95,14 +96,18 @@ def split_sequences(cu_seqlens: torch.Tensor, total_tokens: int, size: int):
     seq = seq.clamp(max=num_seqs - 1)
     start = torch.where(real, cu[seq] + (piece - first[seq]) * size, cu[-1])
     end = torch.where(real, torch.minimum(start + size, cu[seq + 1]), cu[-1])
-    return start, end, first, count
+    return start, end, seq, first, count
 
 
-def chunk_bounds(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """``[U, 2]`` int32 (first token, end token) of every chunk, in sequence order.
+def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """``[U, 3]`` int32 (first token, end token, state slot) of every chunk, in sequence order.
 
     ``U = ceil(T / 64) + N`` bounds the chunk count; entries past the real count
-    are ``(0, 0)``: empty chunks.
+    are ``(0, 0, 0)``: empty chunks.  The slot ``first // 64 + seq`` (which is
+    ``bos // 64 + seq + c`` for chunk ``c`` of a sequence starting at ``bos``) is
+    where the backward's state passes keep that chunk's state (chunk_forward's
+    ``chunk_states``); slots are unique and below ``T // 64 + N + 1``.
     """
-    start, end, _, _ = split_sequences(cu_seqlens, total_tokens, CHUNK)
-    return (torch.stack([start, end], 1) * (end > start)[:, None]).to(torch.int32)
+    start, end, seq, _, _ = split_sequences(cu_seqlens, total_tokens, CHUNK)
+    slot = start // CHUNK + seq
+    return (torch.stack([start, end, slot], 1) * (end > start)[:, None]).to(torch.int32)

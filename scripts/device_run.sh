@@ -48,18 +48,24 @@ for step in $steps; do
     ncusrc)
       ncu --clock-control none -k regex:chunk_forward --launch-count 1 --launch-skip 2 \
         --section WarpStateStats --section SourceCounters --page source --csv --print-source sass \
-        python benchmarks/profile_forward.py --heads 16x32 --lengths 32768x1 > "$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
+        python benchmarks/profile_kernels.py --heads 16x32 --lengths 32768x1 > "$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
       python benchmarks/ncu_hotspots.py "$OUT/ncu_source.csv" 45 2>&1 | tee "$OUT/ncu_hotspots.log" | head -50 ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
     profile)
       for cfg in "16x32 4096x8" "16x32 32768x1" "2x8 32768x1"; do
         set -- $cfg
-        python benchmarks/profile_forward.py --heads "$1" --lengths "$2" 2>&1 | grep -v INFO | tee -a "$OUT/profile.log" | tail -22
+        python benchmarks/profile_kernels.py --heads "$1" --lengths "$2" 2>&1 | grep -v INFO | tee -a "$OUT/profile.log" | tail -22
+      done ;;
+    bwdprofile)
+      for cfg in "16x32 8192x1" "16x32 32768x1" "2x4 8192x1"; do
+        set -- $cfg
+        python benchmarks/profile_kernels.py --backward 1 --heads "$1" --lengths "$2" 2>&1 | grep -v INFO \
+          | tee -a "$OUT/profile-backward.log" | tail -18
       done ;;
     ncu)
       ncu --clock-control none -k regex:chunk_forward --launch-count 1 --launch-skip 3 \
         --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
-        python benchmarks/profile_forward.py --heads 16x32 --lengths 4096x8 > "$OUT/ncu.log" 2>&1
+        python benchmarks/profile_kernels.py --heads 16x32 --lengths 4096x8 > "$OUT/ncu.log" 2>&1
       grep -v "^==PROF==\|INFO" "$OUT/ncu.log" | grep -A80 "chunk_forward" | head -90 ;;
   esac
 done

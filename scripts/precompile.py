@@ -1,4 +1,4 @@
-"""Fill TileLang's disk cache (``TILELANG_CACHE_DIR``) with the forward kernels, no GPU needed.
+"""Fill TileLang's disk cache (``TILELANG_CACHE_DIR``) with the kernels, no GPU needed.
 
     python scripts/precompile.py                          # the Qwen3.5 head configs, bf16, state in and out
     python scripts/precompile.py --heads 16x32 --dtypes float16 --all-flags
@@ -17,9 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
+from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients  # noqa: E402
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep  # noqa: E402
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
+from flash_qla_tl.kernels.qk_input_gradients import build_qk_input_gradients  # noqa: E402
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass  # noqa: E402
 from flash_qla_tl.kernels.segment_scan import build_segment_scan  # noqa: E402
 
@@ -32,7 +34,7 @@ def main():
     p.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16, float16")
     p.add_argument("--all-flags", action="store_true", help="every (initial state, final state) pair, not just both on")
     p.add_argument("--block-v", default="64,32", help="comma-separated value-block widths of the state pass")
-    p.add_argument("--backward", action="store_true", help="also the backward's recompute and reverse passes")
+    p.add_argument("--backward", action="store_true", help="also the backward's kernels")
     args = p.parse_args()
     heads = [tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")]
     flags = list(itertools.product([True, False], repeat=2)) if args.all_flags else [(True, True)]
@@ -50,10 +52,14 @@ def main():
             line += f", forward(h0={has_h0:d}, ht={store_ht:d}, {block_v}) {time.perf_counter() - t:.1f} s"
         if args.backward:
             t = time.perf_counter()
+            compile_program(build_chunk_prep, hqk, hv, 128, dtype, True)
+            compile_program(build_chunk_local_gradients, hqk, hv, 128, 128, dtype)
+            for l2norm in (True, False):
+                compile_program(build_qk_input_gradients, hqk, hv, 128, dtype, l2norm)
             for has_state, block_v in itertools.product([True, False], [int(b) for b in args.block_v.split(",")]):
                 compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_state, False, block_v, True)
                 compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_state, block_v)
-            line += f", backward passes {time.perf_counter() - t:.1f} s"
+            line += f", backward {time.perf_counter() - t:.1f} s"
         print(line, flush=True)
 
 

@@ -1,16 +1,16 @@
 """The Hopper backward against autograd through the float64 reference (DESIGN.md section 5).
 
 dq, dk, dv, dh0 within 8e-3 relative RMS, dg and dbeta within 2e-2.  Every test
-asserts that the kernels ran (``forward_backend``), and the walks are also
-checked one by one against their PyTorch form, so that a failure names the
-kernel.  Run on the device with ``python -m pytest -m gpu tests``.
+asserts that the kernels ran (``forward_backend``), and the walks and the
+local-gradient kernel are also checked alone against their PyTorch forms, so
+that a failure names the kernel.  Run on the device with ``python -m pytest -m gpu tests``.
 """
 
 import pytest
 import torch
 
 import flash_qla_tl as fq
-from flash_qla_tl import chunked_backward, hopper_backward, reference
+from flash_qla_tl import chunked_backward, hopper_backward, hopper_forward, reference
 from helpers import make_inputs, rel_rms
 
 pytestmark = [
@@ -114,27 +114,82 @@ def test_unsupported_inputs_differentiate_through_the_pytorch_backward(shape, mo
     assert all(errors[n] <= TOL[n] for n in errors), errors
 
 
-def test_kernel_walks_match_the_torch_walks(monkeypatch):
+def _kernel_and_torch_walks(x, do, dht):
+    """The same problem (l2norm on) as the Hopper kernels' operands and walks, and as PyTorch's Chunks and walks.
+
+    Returns ``(ops, do_packed, kernel walks, chunks, d_out, torch walks, kernel walks in chunk order)``.
+    """
+    inputs = (x["q"], x["k"], x["v"], x["g"], x["beta"], None)
+    h0, cu = x["initial_state"], x["cu_seqlens"]
+    c, state0, d_out = chunked_backward.chunk_problem(*inputs, h0, do, True, cu)
+    torch_walks = chunked_backward.torch_walks(c, state0, d_out, dht)
+    ops = hopper_forward.prepare_chunks(*inputs, True, cu, store_inverse=True)
+    do_packed = hopper_forward.packed_tokens(do)
+    walks = hopper_backward.kernel_walks(ops, do_packed, cu.numel() - 1, h0.float().contiguous(), dht)
+    states, state_grads, du, dh0, chunk_table = walks
+    assert chunk_table is ops.chunk_table  # no context parallelism here: slots by sequence
+    # The kernels keep chunk c of the sequence starting at bos in slot bos // 64 + seq + c.
+    slots = (cu[:-1].long().cpu()[c.seq] // 64 + c.seq + c.pos).cuda()
+    du_rows = torch.cat([du, du.new_zeros(1, *du.shape[1:])])[c.token].transpose(1, 2)
+    in_chunks = (states[slots].float(), state_grads[slots].float(), du_rows.float(), dh0)
+    return ops, do_packed, walks, c, d_out, torch_walks, in_chunks
+
+
+def test_kernel_walks_match_the_torch_walks():
     """Each walk alone: the recompute's entering states, dU, dS' and dh0 against PyTorch's, in fp32."""
     x = _inputs(seqs=[70, 0, 300, 1], initial_state=True)
     do, dht = _output_grads(x)
-    seen = {}
-
-    def spy(name, walks):
-        def run(*walk_args):
-            seen[name] = walks(*walk_args)
-            return seen[name]
-        return run
-
-    backward = chunked_backward.chunked_gated_delta_rule_backward
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], do, dht, True, x["cu_seqlens"])
-    backward(*args, walks=spy("torch", chunked_backward.torch_walks))
-    monkeypatch.setattr(hopper_backward, "chunked_gated_delta_rule_backward",
-                        lambda *a, walks: backward(*a, walks=spy("kernels", walks)))
-    hopper_backward.chunk_backward(*args)
-    for name, got, want in zip(("s_in", "ds_out", "d_u", "dh0"), seen["kernels"], seen["torch"]):
+    *_, torch_walks, kernel_walks = _kernel_and_torch_walks(x, do, dht)
+    for name, got, want in zip(("s_in", "ds_out", "d_u", "dh0"), kernel_walks, torch_walks):
         assert got.shape == want.shape, name
         assert rel_rms(got, want) < 5e-3, (name, rel_rms(got, want))
+
+
+@pytest.mark.parametrize("decay", ["normal", "strong"])
+def test_local_gradient_kernel_matches_its_torch_form(decay):
+    """chunk_local_gradients alone: from the kernels' own walks, against chunked_backward.local_gradients."""
+    x = _inputs(seqs=[70, 0, 300, 1, 64], hqk=2, hv=4, initial_state=True, decay=decay)
+    do, dht = _output_grads(x)
+    ops, do_packed, walks, c, d_out, _, kernel_walks = _kernel_and_torch_walks(x, do, dht)
+    states, state_grads, du, _, chunk_table = walks
+    got = hopper_backward.kernel_local_gradients(ops, do_packed, states, state_grads, du, chunk_table)
+    want = chunked_backward.local_gradients(c, *kernel_walks[:3], d_out, 1, do.shape[1])
+    for name, g, w, tol in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, (8e-3, 8e-3, 8e-3, 2e-2, 2e-2)):
+        assert g.shape == w.shape[1:], name
+        assert rel_rms(g, w[0]) <= tol, (name, rel_rms(g, w[0]))
+
+
+@pytest.mark.parametrize("decay", ["normal", "none"])
+def test_context_parallel_walks(decay):
+    """Long sequences at few heads: both walks split into segments (the reverse scan runs backwards)."""
+    seqs = [9000, 3001]
+    x = _inputs(seqs=seqs, decay=decay, initial_state=True, hqk=1, hv=4)
+    assert hopper_forward.plan_state_pass(sum(seqs), 2, 4, torch.device("cuda")).segment_tokens is not None
+    do, dht = _output_grads(x)
+    got = _grads(x, do, dht, True)
+    # The float64 reference here is the chunked backward (the spec, checked against autograd
+    # elsewhere): autograd through 12K recurrence steps would take minutes.
+    ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+    want = chunked_backward.chunked_gated_delta_rule_backward(
+        ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], None, ref["initial_state"], do.double(), dht.double(),
+        True, x["cu_seqlens"])
+    errors = {n: rel_rms(got[n], w) for n, w in zip(DIFFERENTIABLE, want)}
+    assert all(errors[n] <= TOL[n] for n in errors), errors
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_qk_input_gradient_kernel_matches_undo_prepare(l2norm):
+    """qk_input_gradients alone (group sum, scale, l2norm backward) against chunked_backward.undo_prepare."""
+    x = _inputs(length=100, hqk=2, hv=8)
+    ops = hopper_forward.prepare_chunks(x["q"], x["k"], x["v"], x["g"], x["beta"], None, l2norm, None)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    d_q, d_k = (torch.randn(100, 8, D, generator=gen, device="cuda") for _ in range(2))
+    want = chunked_backward.undo_prepare(d_q, d_k, ops.q.float(), ops.k.float(), None, l2norm)
+    got = [hopper_backward.qk_input_gradients(ops, d, xx, norms, factor, l2norm)
+           for d, xx, norms, factor in ((d_q, ops.q, ops.q_norm, ops.scale), (d_k, ops.k, ops.k_norm, 1.0))]
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and g.shape == (100, 2, D)
+        assert rel_rms(g, w) < 4e-3  # one rounding to bf16
 
 
 def test_gradients_are_bitwise_deterministic():

@@ -125,7 +125,7 @@ def test_other_gpus_run_the_reference(monkeypatch):
 
 
 def test_chunk_prep_intermediates():
-    """gamma and the two operands A_keys, A_values of the prep kernel, against a float64 mirror of its contract."""
+    """gamma, the operands A_keys, A_values and the backward's A0 of the prep kernel, against a float64 mirror."""
     from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
     from flash_qla_tl.kernels.compile import compile_program
 
@@ -133,16 +133,18 @@ def test_chunk_prep_intermediates():
     x["beta"] *= 2  # beta up to 2 and unnormalised keys: large entries in M
     k, g, beta = x["k"][0], x["g"][0], x["beta"][0]
     total = k.shape[0]
-    bounds = planning.chunk_bounds(x["cu_seqlens"].cuda(), total)
+    chunks = planning.chunk_table(x["cu_seqlens"].cuda(), total)
     gamma = torch.full((total, 8), math.nan, device="cuda")
-    a_keys, a_values = (torch.full((total, 8, 64), math.nan, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a_keys, a_values, a_inverse = (torch.full((total, 8, 64), math.nan, device="cuda", dtype=torch.bfloat16)
+                                   for _ in range(3))
     # Inverse key norms as the launcher passes them: [T, Hqk padded to 4].
     k_norm = torch.zeros(total, 4, device="cuda")
     k_norm[:, :2] = (k.double().pow(2).sum(-1) + 1e-6).rsqrt().float()
-    compile_program(build_chunk_prep, 2, 8, D, "bfloat16")(k, k_norm, g, beta, bounds, gamma, a_keys, a_values)
+    compile_program(build_chunk_prep, 2, 8, D, "bfloat16", True)(k, k_norm, g, beta, chunks, gamma, a_keys,
+                                                                 a_values, a_inverse)
 
     bf16 = 2 ** -8  # one rounding to bf16, relative
-    for first, end in bounds.tolist():
+    for first, end, _ in chunks.tolist():
         n = end - first
         if n == 0:
             continue
@@ -158,12 +160,15 @@ def test_chunk_prep_intermediates():
             want_keys[:, :n] = -cumsum.exp()[:, None] * a0 * b[None, :] * rk[None, :]
             want_values = torch.zeros_like(want_keys)
             want_values[:, :n] = (a0 * b[None, :] * (cumsum[:, None] - cumsum[None, :]).exp()).tril()
-            for got, want in ((a_keys[first:end, h], want_keys), (a_values[first:end, h], want_values)):
+            want_inverse = torch.zeros_like(want_keys)
+            want_inverse[:, :n] = a0
+            for got, want in ((a_keys[first:end, h], want_keys), (a_values[first:end, h], want_values),
+                              (a_inverse[first:end, h], want_inverse)):
                 assert rel_rms(got, want) < bf16
                 # Exact zeros above the diagonal and in columns past the chunk: the forward relies on them.
                 assert (got.float().triu(1) == 0).all()
             assert rel_rms(gamma[first:end, h], cumsum / math.log(2)) < 1e-6
-    assert not torch.isnan(a_keys).any() and not torch.isnan(a_values).any() and not torch.isnan(gamma).any()
+    assert not any(torch.isnan(t).any() for t in (a_keys, a_values, a_inverse, gamma))
 
 
 def test_context_parallel_is_as_precise_as_one_pass(monkeypatch):

@@ -4,14 +4,27 @@ A kernel that fails to build fails here, not on the device.  tilelang and nvcc
 (``CUDA_HOME``) are required: a missing toolchain is a failure, not a skip.
 """
 
+import re
+
 import pytest
 
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
+from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.compile import compile_program
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
+from flash_qla_tl.kernels.qk_input_gradients import build_qk_input_gradients
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass
 from flash_qla_tl.kernels.segment_scan import build_segment_scan
+
+
+SMEM_PER_BLOCK = 227 * 1024  # sm_90's largest opt-in dynamic shared memory per block
+
+
+def shared_memory_used(source: str) -> int:
+    """A lower bound of a kernel's dynamic shared memory: its highest offset into the buffer."""
+    offsets = [int(a or b) for a, b in re.findall(r"buf_dyn_shmem\[(\d+)\]|buf_dyn_shmem \+ (\d+)", source)]
+    return max(offsets, default=0)
 
 
 def test_segment_scan_compiles():
@@ -25,10 +38,11 @@ def test_inverse_norms_compiles(dtype):
     assert "rsqrt" in source
 
 
-@pytest.mark.parametrize("hqk,hv,dtype", [(16, 32, "bfloat16"), (2, 8, "float16")])
-def test_chunk_prep_compiles(hqk, hv, dtype):
-    source = compile_program(build_chunk_prep, hqk, hv, 128, dtype).get_kernel_source()
+@pytest.mark.parametrize("hqk,hv,dtype,store_inverse", [(16, 32, "bfloat16", False), (2, 8, "float16", True)])
+def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse):
+    source = compile_program(build_chunk_prep, hqk, hv, 128, dtype, store_inverse).get_kernel_source()
     assert "wgmma" in source  # the Gram matrix runs on the tensor cores
+    assert ("A_inverse[" in source) == store_inverse
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,has_h0,store_ht,block_v", [
@@ -49,3 +63,17 @@ def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     assert "chunk_states" in recompute.get_kernel_source()
     source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v).get_kernel_source()
     assert "wgmma" in source and "chunk_state_grads" in source
+
+
+@pytest.mark.parametrize("hqk,hv,dtype", [(16, 32, "bfloat16"), (2, 8, "float16")])
+def test_chunk_local_gradients_compile(hqk, hv, dtype):
+    source = compile_program(build_chunk_local_gradients, hqk, hv, 128, 128, dtype).get_kernel_source()
+    assert "wgmma" in source and "dbeta[" in source
+    # Found on the device once (300 KB before the aggressive merge): a launch error, not a compile error.
+    assert 150 * 1024 < shared_memory_used(source) < SMEM_PER_BLOCK
+
+
+@pytest.mark.parametrize("hqk,hv,dtype,l2norm", [(16, 32, "bfloat16", True), (2, 8, "float16", False)])
+def test_qk_input_gradients_compile(hqk, hv, dtype, l2norm):
+    source = compile_program(build_qk_input_gradients, hqk, hv, 128, dtype, l2norm).get_kernel_source()
+    assert ("x_norm[" in source) == l2norm

@@ -5,12 +5,27 @@ import torch
 from flash_qla_tl import context_parallel, planning
 
 
-def test_chunk_bounds_cover_every_token_once():
+def test_chunk_table_covers_every_token_once():
     cu = torch.tensor([0, 0, 1, 65, 200, 200, 330])
-    bounds = planning.chunk_bounds(cu, 330).tolist()
-    real = [b for b in bounds if b[1] > b[0]]
-    assert real == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 200], [200, 264], [264, 328], [328, 330]]
-    assert all(b == [0, 0] for b in bounds[len(real):])
+    table = planning.chunk_table(cu, 330).tolist()
+    real = [b for b in table if b[1] > b[0]]
+    assert [b[:2] for b in real] == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 200], [200, 264], [264, 328],
+                                     [328, 330]]
+    assert all(b == [0, 0, 0] for b in table[len(real):])
+    # State slots: bos // 64 + seq + c (sequences 1, 2, 3, 5 hold tokens).
+    assert [b[2] for b in real] == [0 + 1, 0 + 2, 1 + 3, 2 + 3, 3 + 3, 3 + 5, 4 + 5, 5 + 5]
+
+
+def test_chunk_slots_are_unique_and_bounded():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        lengths = torch.randint(0, 200, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        total = int(cu[-1])
+        table = planning.chunk_table(cu, total)
+        slots = table[table[:, 1] > table[:, 0], 2]
+        assert slots.unique().numel() == slots.numel()
+        assert (slots < total // 64 + len(lengths) + 1).all()
 
 
 def test_segment_table_cuts_sequences_at_multiples_of_the_segment():
@@ -22,10 +37,10 @@ def test_segment_table_cuts_sequences_at_multiples_of_the_segment():
 
 
 def test_dense_tables_describe_the_batch_rows():
-    cu, bounds = planning.dense_tables(3, 100, torch.device("cpu"))
+    cu, table = planning.dense_tables(3, 100, torch.device("cpu"))
     assert cu.tolist() == [0, 100, 200, 300]
-    assert torch.equal(bounds, planning.chunk_bounds(cu, 300))
-    assert planning.dense_tables(3, 100, torch.device("cpu"))[1] is bounds  # built once
+    assert torch.equal(table, planning.chunk_table(cu, 300))
+    assert planning.dense_tables(3, 100, torch.device("cpu"))[1] is table  # built once
 
 
 def test_host_offsets_are_read_once_per_tensor_and_again_after_a_write():
@@ -48,8 +63,28 @@ def test_host_offsets_of_inference_tensors_are_read_every_time():
 
 def test_tables_are_built_once_per_offsets_and_again_after_a_write():
     cu = torch.tensor([0, 0, 1, 64, 65, 300], dtype=torch.int32)
-    first = planning.table(planning.chunk_bounds, cu, 300)
-    assert torch.equal(first, planning.chunk_bounds(cu, 300))
-    assert planning.table(planning.chunk_bounds, cu, 300) is first  # same offsets: the cached table
+    first = planning.table(planning.chunk_table, cu, 300)
+    assert torch.equal(first, planning.chunk_table(cu, 300))
+    assert planning.table(planning.chunk_table, cu, 300) is first  # same offsets: the cached table
     cu[2] = 30
-    assert torch.equal(planning.table(planning.chunk_bounds, cu, 300), planning.chunk_bounds(cu, 300))
+    assert torch.equal(planning.table(planning.chunk_table, cu, 300), planning.chunk_table(cu, 300))
+
+
+def test_reversed_segments_reverse_each_sequence_and_are_an_involution():
+    cu = torch.tensor([0, 700, 700, 900, 3000])
+    order = context_parallel.reversed_segments(cu, 3000, 256)
+    _, first, count = context_parallel.segment_table(cu, 3000, 256)
+    assert torch.equal(order[order], torch.arange(order.numel()))
+    for f, n in zip(first.tolist(), count.tolist()):
+        assert order[f:f + n].tolist() == list(range(f + n - 1, f - 1, -1))
+    assert order[int((first + count)[-1]):].tolist() == list(range(int((first + count)[-1]), order.numel()))
+
+
+def test_segment_chunk_table_has_the_sequence_chunks_with_segment_slots():
+    cu = torch.tensor([0, 700, 700, 900, 3000])
+    by_segment = context_parallel.segment_chunk_table(cu, 3000, 256)
+    by_sequence = planning.chunk_table(cu, 3000)
+    real = lambda t: t[t[:, 1] > t[:, 0]]
+    assert torch.equal(real(by_segment)[:, :2], real(by_sequence)[:, :2])
+    seg_cu, _, _ = context_parallel.segment_table(cu, 3000, 256)
+    assert torch.equal(by_segment, planning.chunk_table(seg_cu, 3000))

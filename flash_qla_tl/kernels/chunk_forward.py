@@ -19,8 +19,8 @@ are fp32 scales (see inverse_norms).
 
 U and the per-chunk states never leave the chip, and neither does Kbar (the WY
 ``w``): it lives in shared memory for one chunk.  Only the backward's
-recompute (``store_chunk_states``) writes the state entering every chunk, fp32,
-to slot ``bos // C + seq + c`` of ``chunk_states`` (chunk ``c`` of sequence ``seq``
+recompute (``store_chunk_states``) writes the state entering every chunk (in
+``dtype``: the local gradients read it as a GEMM operand) to slot ``bos // C + seq + c`` of ``chunk_states`` (chunk ``c`` of sequence ``seq``
 starting at token ``bos``): unique per chunk, from the offsets the kernel already
 reads, so no chunk table is needed; ``T // C + N + 1`` slots cover every chunk.
 
@@ -101,7 +101,7 @@ def build_chunk_forward(
         scale: T.float32,
         o: T.Tensor([num_tokens, num_v_heads, V], dtype),
         final_state: T.Tensor([num_states_out, num_v_heads, K, V], accum),
-        chunk_states: T.Tensor([num_chunk_slots, num_v_heads, K, V], accum),
+        chunk_states: T.Tensor([num_chunk_slots, num_v_heads, K, V], dtype),
     ):
         with T.Kernel(
             V // block_v, num_v_heads, num_seqs, threads=CHAIN_THREADS + PREP_THREADS + LOADER_THREADS

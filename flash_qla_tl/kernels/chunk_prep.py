@@ -43,11 +43,16 @@ from .inverse_norms import padded_heads
 LOG2_E = math.log2(math.e)
 
 
-def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str, chunk: int = 64):
+def build_chunk_prep(
+    num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str, store_inverse: bool = False, chunk: int = 64
+):
     """Build the ``chunk_prep`` PrimFunc (contract: notes/kernel-interfaces.md).
 
     Grid ``(U, Hv)``: one program per (chunk, value head).  ``T`` (tokens) and ``U``
-    (chunks) are symbolic, so one binary serves every length.
+    (chunks) are symbolic, so one binary serves every length.  ``store_inverse``
+    (the backward) also writes ``A0`` itself, which the local gradients need and
+    cannot recover from ``A_values`` once ``E`` underflows; otherwise ``A_inverse``
+    may be a one-row placeholder (its rows are their own symbol).
     """
     if num_v_heads % num_qk_heads != 0:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_qk_heads ({num_qk_heads})")
@@ -66,6 +71,7 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
 
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
+    num_inverse_rows = T.dynamic("num_inverse_rows")
 
     @T.macro
     def invert_diagonal_blocks(M, X, x, thread):
@@ -139,10 +145,11 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
         k_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], "float32"),
         g: T.Tensor([num_tokens, num_v_heads], "float32"),
         beta: T.Tensor([num_tokens, num_v_heads], "float32"),
-        chunk_bounds: T.Tensor([num_chunks, 2], "int32"),
+        chunk_table: T.Tensor([num_chunks, 3], "int32"),
         gamma: T.Tensor([num_tokens, num_v_heads], "float32"),
         A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
         A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),
+        A_inverse: T.Tensor([num_inverse_rows, num_v_heads, C], dtype),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             # ~80 registers and ~36 KB of shared memory: 6 blocks fit on an SM; more
@@ -163,8 +170,8 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
             x = T.alloc_local([B], accum)
             acc = T.alloc_local([8], accum)
 
-            s = chunk_bounds[chunk_id, 0]
-            n = chunk_bounds[chunk_id, 1] - s
+            s = chunk_table[chunk_id, 0]
+            n = chunk_table[chunk_id, 1] - s
             qk_head = head // v_heads_per_qk_head
             thread = T.get_thread_binding()
 
@@ -210,5 +217,7 @@ def build_chunk_prep(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: 
                             T.if_then_else(j <= r, a_rj * T.exp2((gamma_tile[r] - gamma_tile[j]) * LOG2_E), T.float32(0)),
                             dtype,
                         )
+                        if store_inverse:
+                            A_inverse[s + r, head, j] = T.cast(T.if_then_else(j <= r, X[r, j], T.float32(0)), dtype)
 
     return chunk_prep

@@ -28,8 +28,13 @@ def _ensure_cuda_home() -> None:
 
 
 def compile_program(build: Callable, *config, pass_configs: dict | None = None):
-    """Lower ``build(*config)`` and compile it for sm_90a (cached in memory and on disk)."""
-    return _compile_cached(build, tuple(config), tuple(sorted((pass_configs or {}).items())))
+    """Lower ``build(*config)`` and compile it for sm_90a (cached in memory and on disk).
+
+    A factory may carry its own ``build.pass_configs`` (TileLang options its kernel
+    needs, whoever compiles it); ``pass_configs`` adds to them.
+    """
+    configs = {**getattr(build, "pass_configs", {}), **(pass_configs or {})}
+    return _compile_cached(build, tuple(config), tuple(sorted(configs.items())))
 
 
 @functools.lru_cache(maxsize=None)

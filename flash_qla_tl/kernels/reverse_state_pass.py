@@ -19,8 +19,9 @@ give, per chunk, in reverse::
 
 (``chunked_backward.py`` writes the same with ``w = -Kbar``.)  The pass stores
 what the local gradients need and cannot cheaply rebuild: ``dU`` per token
-(fp32) and ``dS'`` per chunk (fp32, slot ``bos // C + seq + c`` as
-chunk_forward's ``chunk_states``), and the gradient of the initial state.
+and ``dS'`` per chunk (slot ``bos // C + seq + c`` as chunk_forward's
+``chunk_states``), both in ``dtype`` since the local gradients only use them as
+GEMM operands, and the gradient of the initial state (fp32).
 
 Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
 tensor-core work per chunk, ``dS' -> dU -> dS``), 1 prepares the next chunk's
@@ -74,8 +75,8 @@ def build_reverse_state_pass(
         cu_seqlens: T.Tensor([num_seqs + 1], "int32"),
         final_state_grad: T.Tensor([num_states_in, num_v_heads, K, V], accum),
         scale: T.float32,
-        du: T.Tensor([num_tokens, num_v_heads, V], accum),
-        chunk_state_grads: T.Tensor([num_chunk_slots, num_v_heads, K, V], accum),
+        du: T.Tensor([num_tokens, num_v_heads, V], dtype),
+        chunk_state_grads: T.Tensor([num_chunk_slots, num_v_heads, K, V], dtype),
         initial_state_grad: T.Tensor([num_seqs, num_v_heads, K, V], accum),
     ):
         with T.Kernel(
@@ -148,7 +149,7 @@ def build_reverse_state_pass(
                     T.wgmma_gemm(kbar_op[st, :, :], du_op, ds, transpose_A=True)
                     for r, j in T.Parallel(C, block_v):
                         if r < n:
-                            du[s + r, hv, v0 + j] = du_acc[r, j]
+                            du[s + r, hv, v0 + j] = T.cast(du_acc[r, j], dtype)
                     T.wait_wgmma(0)
                     T.barrier_arrive(consumed[st])
 

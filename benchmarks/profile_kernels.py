@@ -1,0 +1,45 @@
+"""Where the GPU time goes: each kernel of one forward (or, with --backward 1, one backward) call, from torch.profiler.
+
+    python benchmarks/profile_kernels.py --heads 16x32 --lengths 4096x8 [--backward 1]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_forward import single_problem  # noqa: E402
+
+import flash_qla_tl  # noqa: E402
+
+
+def main():
+    def options(p):
+        p.add_argument("--l2norm", type=int, default=1)
+        p.add_argument("--backward", type=int, default=0)
+
+    args, (hqk, hv), x = single_problem(__doc__, "16x32", "4096x8", options)
+    forward = lambda: flash_qla_tl.chunk_gated_delta_rule(**x, output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=bool(args.l2norm))
+    call = forward
+    if args.backward:
+        for name in ("q", "k", "v", "g", "beta"):
+            x[name].requires_grad_()
+        o, ht = forward()
+        grads = (torch.randn_like(o), torch.randn_like(ht))
+        call = lambda: torch.autograd.backward((o, ht), grads, retain_graph=True)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+    print(f"({hqk},{hv}) {args.lengths} {'backward' if args.backward else 'forward'}: 5 calls")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
