@@ -39,9 +39,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
 
     ``dht`` (the final state's gradient) and ``initial_state`` may be None; ``dh0``
     is None when ``initial_state`` is.  Where the forward runs the Hopper kernels,
-    so does the backward's sequential part (``hopper_backward.py``); the gradients
-    local to each chunk, and every other device, use the chunked backward in
-    PyTorch (``chunked_backward.py``, gradients written out).
+    so does the backward (``hopper_backward.py``); everywhere else it is the
+    chunked backward in PyTorch (``chunked_backward.py``, gradients written out).
     """
     backward = (hopper_backward.chunk_backward if forward_backend(q, k, v) == "hopper"
                 else chunked_gated_delta_rule_backward)

@@ -28,7 +28,7 @@ from .chunked_backward import chunked_gated_delta_rule_backward
 from .reference import CHUNK
 
 
-def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, num_seqs, h0, dht):
+def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
     """Steps 1-2: ``(chunk_states, chunk_state_grads, du, dh0, chunk_table)``.
 
     States ``[T // 64 + pieces + 1, Hv, K, V]`` and du are in q's dtype (the local
@@ -42,7 +42,7 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, num_seqs, h0, dht
     from .kernels.reverse_state_pass import build_reverse_state_pass
 
     hqk, hv, kdim, vdim, dtype = ops.config
-    total, device = ops.v.shape[0], ops.v.device
+    total, device, num_seqs = ops.v.shape[0], ops.v.device, ops.cu_seqlens.numel() - 1
     plan = hopper_forward.plan_state_pass(total, num_seqs, hv, device)
     seg_len = plan.segment_tokens
     if seg_len is None:
@@ -116,12 +116,11 @@ def chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
     if batch * length == 0:
         return chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
                                                  use_qk_l2norm_in_kernel, cu_seqlens)
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
     ops = hopper_forward.prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
                                         store_inverse=True)
     do_packed = hopper_forward.packed_tokens(do.to(q.dtype))
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    states, state_grads, du, dh0, chunk_table = kernel_walks(ops, do_packed, num_seqs, h0, dht)
+    states, state_grads, du, dh0, chunk_table = kernel_walks(ops, do_packed, h0, dht)
     dq, dk, dv, dg, dbeta = kernel_local_gradients(ops, do_packed, states, state_grads, du, chunk_table)
     dq, dk = (qk_input_gradients(ops, d, x, norms, factor, use_qk_l2norm_in_kernel)
               for d, x, norms, factor in ((dq, ops.q, ops.q_norm, ops.scale), (dk, ops.k, ops.k_norm, 1.0)))

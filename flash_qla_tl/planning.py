@@ -80,11 +80,11 @@ def split_sequences(cu_seqlens: torch.Tensor, total_tokens: int, size: int):
     """Cut every sequence into pieces of ``size`` tokens (the last one shorter), in sequence order.
 
     The number of pieces is bounded from shapes alone, ``ceil(T / size) + N`` (each
-    sequence adds at most one partial piece).  Returns ``(start, end, first, count)``:
-    the token range of every piece slot (slots past the real pieces are the empty
-    range at ``cu_seqlens[-1]``), and per sequence the index of its first piece and
-    its number of pieces, all int64.  Also ``seq``: each piece slot's sequence
-    (clamped to the last one for slots past the real pieces).
+    sequence adds at most one partial piece).  Returns ``(start, end, seq, first,
+    count)``, all int64: the token range of every piece slot (slots past the real
+    pieces are the empty range at ``cu_seqlens[-1]``) and its sequence (the last one
+    for slots past the real pieces), and per sequence the index of its first piece
+    and its number of pieces.
     """
     num_seqs = cu_seqlens.numel() - 1
     cu = cu_seqlens.to(torch.int64)

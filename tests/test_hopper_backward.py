@@ -125,7 +125,7 @@ def _kernel_and_torch_walks(x, do, dht):
     torch_walks = chunked_backward.torch_walks(c, state0, d_out, dht)
     ops = hopper_forward.prepare_chunks(*inputs, True, cu, store_inverse=True)
     do_packed = hopper_forward.packed_tokens(do)
-    walks = hopper_backward.kernel_walks(ops, do_packed, cu.numel() - 1, h0.float().contiguous(), dht)
+    walks = hopper_backward.kernel_walks(ops, do_packed, h0.float().contiguous(), dht)
     states, state_grads, du, dh0, chunk_table = walks
     assert chunk_table is ops.chunk_table  # no context parallelism here: slots by sequence
     # The kernels keep chunk c of the sequence starting at bos in slot bos // 64 + seq + c.

@@ -64,6 +64,13 @@ def build_chunk_local_gradients(
             out[r] = sums[r]
 
     @T.macro
+    def row_dots(a, b, products, sums, out):
+        """``out[r] = <a[r, :], b[r, :]>`` into shared memory (``products``: fragment scratch of a's shape)."""
+        for r, d in T.Parallel(C, K):
+            products[r, d] = a[r, d] * b[r, d]
+        row_sums(products, sums, out)
+
+    @T.macro
     def column_sums(matrix, square, transposed, sums, out):
         """``out[j] = sum_r matrix[r, j]`` of a C x C fragment: transposed through shared memory, then row sums."""
         T.copy(matrix, square)
@@ -237,9 +244,7 @@ def build_chunk_local_gradients(
 
                 # dq = diag(G) dO S^T + d_qk Kn.
                 T.gemm(do_tile, state, dq_acc, transpose_B=True, clear_accum=True)
-                for r, d in T.Parallel(C, K):
-                    products[r, d] = dq_acc[r, d] * q_tile[r, d]
-                row_sums(products, prod, q_gate_sum)
+                row_dots(dq_acc, q_tile, products, prod, q_gate_sum)
                 for r, d in T.Parallel(C, K):
                     dq_acc[r, d] = dq_acc[r, d] * gate[r]
                 T.gemm(d_qk_op, k_tile, dq_acc)
@@ -249,9 +254,7 @@ def build_chunk_local_gradients(
 
                 # dk, first terms: diag(te) U dS'^T + d_qk^T Qs.
                 T.gemm(u_op, state_grad, dk_acc, transpose_B=True, clear_accum=True)
-                for r, d in T.Parallel(C, K):
-                    products[r, d] = dk_acc[r, d] * k_tile[r, d]
-                row_sums(products, prod, tail_sum)
+                row_dots(dk_acc, k_tile, products, prod, tail_sum)
                 for r, d in T.Parallel(C, K):
                     dk_acc[r, d] = dk_acc[r, d] * to_end[r]
                 T.gemm(d_qk_op, q_tile, dk_acc, transpose_A=True)
@@ -269,9 +272,7 @@ def build_chunk_local_gradients(
 
                 # d_k_gated = gated^T d_w: dk += diag(G) d_k_gated.
                 T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)
-                for r, d in T.Parallel(C, K):
-                    products[r, d] = wide[r, d] * k_tile[r, d]
-                row_sums(products, prod, k_gate_sum)
+                row_dots(wide, k_tile, products, prod, k_gate_sum)
                 for r, d in T.Parallel(C, K):
                     dk_acc[r, d] = dk_acc[r, d] + gate[r] * wide[r, d]
 
@@ -330,7 +331,7 @@ def build_chunk_local_gradients(
 
 # The tiles' lifetimes overlap little (S and dS' die halfway, the 64 x 64 tiles of the
 # inverse's gradient are born late), but TileLang's default merge keeps every
-# buffer live from a TMA load on: 300 KB, more than an SM has.  The aggressive
-# merge reuses by liveness: 191 KB.  Safe here: every GEMM waits for its
+# buffer live from a TMA load on: 300 KB, more than an SM has (the launch failed on
+# an H200).  The aggressive merge reuses by liveness: 202 KB (206848 bytes).  Safe here: every GEMM waits for its
 # operands, and the TMA loads are issued first, so no async access straddles a reuse.
 build_chunk_local_gradients.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
