@@ -86,8 +86,8 @@ def run(grid, libs, ceilings, save):
 
 
 def main():
-    args = cli(__doc__)
-    grid = [(h, total, parts) for h in parse_heads(args.heads, HEADS) for total in TOTALS for parts in SPLITS]
+    args = cli(__doc__, tokens=TOTALS)
+    grid = [(h, total, parts) for h in parse_heads(args.heads, HEADS) for total in args.tokens for parts in SPLITS]
     if args.quick:
         grid = [g for g in grid if g[0] == (16, 32) and g[2] in (1, 8)]
     drive("backward", grid, run, args.out)

@@ -163,12 +163,15 @@ def chart(rows, path, meta, title="GDN forward"):
     fig.savefig(path, dpi=120)
 
 
-def cli(doc: str) -> argparse.Namespace:
-    """The options every grid benchmark here takes."""
+def cli(doc: str, tokens: list | None = None) -> argparse.Namespace:
+    """The options every grid benchmark here takes (``--tokens`` where the grid has token totals)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--quick", action="store_true", help="a few rows only")
     p.add_argument("--heads", help="comma-separated HqkxHv to run (default: the whole grid)")
+    if tokens:
+        p.add_argument("--tokens", default=tokens, type=lambda s: [int(x) for x in s.split(",")],
+                       help="comma-separated total token counts to run (default: the whole grid's)")
     return p.parse_args()
 
 

@@ -33,7 +33,7 @@ def plans(total: int, num_seqs: int, hv: int, device) -> dict:
     for block_v in (64, 32):
         programs = (hopper_forward.HEAD_DIM // block_v) * hv * num_seqs
         out[f"{block_v}"] = hopper_forward.StatePassPlan(block_v, None)
-        seg = context_parallel.segment_length(total, num_seqs, programs, device)
+        seg = context_parallel.segment_length(total, num_seqs, programs, context_parallel.num_sms(device))
         if seg is not None:
             out[f"{block_v}+cp{seg}"] = hopper_forward.StatePassPlan(block_v, seg)
     return out

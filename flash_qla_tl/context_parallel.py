@@ -42,13 +42,13 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def segment_length(total_tokens: int, num_seqs: int, num_programs: int, device: torch.device) -> int | None:
+def segment_length(total_tokens: int, num_seqs: int, num_programs: int, sms: int) -> int | None:
     """Tokens per segment (a multiple of 64) when splitting pays, else None.
 
-    ``num_programs`` is the fused pass's grid size without splitting; sequence
-    lengths are taken as their mean, ``total_tokens / num_seqs``.
+    ``num_programs`` is the fused pass's grid size without splitting, ``sms`` the SMs
+    it may fill; sequence lengths are taken as their mean, ``total_tokens / num_seqs``.
     """
-    split = min(num_sms(device) // num_programs, total_tokens // (num_seqs * MIN_SEGMENT_TOKENS))
+    split = min(sms // num_programs, total_tokens // (num_seqs * MIN_SEGMENT_TOKENS))
     if split < MIN_SEGMENTS:
         return None
     mean_length = -(-total_tokens // num_seqs)

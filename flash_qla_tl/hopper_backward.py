@@ -7,7 +7,9 @@ sequence's chunks, then gradients local to every chunk.  Here:
    ``store_chunk_states``: the state entering every chunk is recomputed
    (nothing is saved between the forward and the backward but the inputs);
 2. ``reverse_state_pass``: the state gradient walked backwards, giving ``dU``
-   per token, the gradient of the state leaving every chunk, and ``dh0``;
+   per token, the gradient of the state leaving every chunk, and ``dh0``.
+   The two walks do not depend on each other: they run side by side, the
+   recompute on a second stream, each planned for half the SMs;
 3. ``chunk_local_gradients``, one program per (chunk, value head): dq, dk per
    value head (fp32), dv, dg, dbeta;
 4. ``qk_input_gradients``: dq and dk summed over each q/k head's value heads
@@ -21,6 +23,8 @@ atomics anywhere.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import context_parallel, hopper_forward, planning
@@ -28,22 +32,35 @@ from .chunked_backward import chunked_gated_delta_rule_backward
 from .reference import CHUNK
 
 
+def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):
+    """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs."""
+    return hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device,
+                                          context_parallel.num_sms(device) // 2)
+
+
+@functools.lru_cache(maxsize=None)
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the recompute walk runs on, one per device."""
+    return torch.cuda.Stream(device)
+
+
 def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
     """Steps 1-2: ``(chunk_states, chunk_state_grads, du, dh0, chunk_table)``.
 
     States ``[T // 64 + pieces + 1, Hv, K, V]`` and du are in q's dtype (the local
-    gradients read them as GEMM operands), dh0 fp32.  Where the forward would split
-    sequences into segments (``plan_state_pass``), both walks do too
-    (``context_parallel.chain_segments``; the reverse one scans the segments
-    backwards), and the states' slots are the segments': ``chunk_table`` is the
-    table whose slots they use.
+    gradients read them as GEMM operands), dh0 fp32.  The recompute runs on
+    :func:`side_stream` while the reverse walk runs on the caller's stream, which
+    waits for it before returning.  Where :func:`plan_walks` splits sequences into
+    segments, both walks do (``context_parallel.chain_segments``; the reverse one
+    scans the segments backwards), and the states' slots are the segments':
+    ``chunk_table`` is the table whose slots they use.
     """
     from .kernels.compile import compile_program
     from .kernels.reverse_state_pass import build_reverse_state_pass
 
     hqk, hv, kdim, vdim, dtype = ops.config
     total, device, num_seqs = ops.v.shape[0], ops.v.device, ops.cu_seqlens.numel() - 1
-    plan = hopper_forward.plan_state_pass(total, num_seqs, hv, device)
+    plan = plan_walks(total, num_seqs, hv, device)
     seg_len = plan.segment_tokens
     if seg_len is None:
         offsets, chunk_table = ops.cu_seqlens, ops.chunk_table
@@ -51,12 +68,15 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
         offsets, first_segment, num_segments = planning.table(
             context_parallel.segment_table, ops.plan_offsets, total, seg_len)
         chunk_table = planning.table(context_parallel.segment_chunk_table, ops.plan_offsets, total, seg_len)
+        order = planning.table(context_parallel.reversed_segments, ops.plan_offsets, total, seg_len)
     states = torch.empty(total // CHUNK + offsets.numel(), hv, kdim, vdim, dtype=ops.v.dtype, device=device)
-    state_grads, du, scratch_o = torch.empty_like(states), torch.empty_like(ops.v), torch.empty_like(ops.v)
+    state_grads, du = torch.empty_like(states), torch.empty_like(ops.v)
     placeholder = hopper_forward.placeholder_state(hv, kdim, vdim, device)
+    zero = lambda: torch.zeros(num_seqs, hv, kdim, vdim, device=device)
+    end = None if dht is None else dht.float().contiguous()
 
     def forward(values, start, last):
-        return hopper_forward.state_pass(ops, values, offsets, start, not last, scratch_o, plan.block_v,
+        return hopper_forward.state_pass(ops, values, offsets, start, not last, None, plan.block_v,
                                          chunk_states=states if last else None)
 
     def reverse(d_out, end, last):
@@ -66,16 +86,22 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
                placeholder if end is None else end, ops.scale, du, state_grads, grads)
         return grads
 
-    end = None if dht is None else dht.float().contiguous()
+    # Everything the side stream reads was made on the caller's stream before the fork, and
+    # lives until after the join.
+    main, side = torch.cuda.current_stream(device), side_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        if seg_len is None:
+            forward(ops.v, h0, True)
+        else:
+            context_parallel.chain_segments(forward, ops.v, zero() if h0 is None else h0, offsets, first_segment,
+                                            num_segments)
     if seg_len is None:
-        forward(ops.v, h0, True)
-        return states, state_grads, du, reverse(do_packed, end, True), chunk_table
-    zero = lambda: torch.zeros(num_seqs, hv, kdim, vdim, device=device)
-    context_parallel.chain_segments(forward, ops.v, zero() if h0 is None else h0, offsets, first_segment,
-                                    num_segments)
-    order = planning.table(context_parallel.reversed_segments, ops.plan_offsets, total, seg_len)
-    dh0 = context_parallel.chain_segments(reverse, do_packed, zero() if end is None else end, offsets,
-                                          first_segment, num_segments, order)
+        dh0 = reverse(do_packed, end, True)
+    else:
+        dh0 = context_parallel.chain_segments(reverse, do_packed, zero() if end is None else end, offsets,
+                                              first_segment, num_segments, order)
+    main.wait_stream(side)
     return states, state_grads, du, dh0, chunk_table
 
 

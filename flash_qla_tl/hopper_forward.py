@@ -76,7 +76,8 @@ class StatePassPlan:
     segment_tokens: int | None
 
 
-def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device) -> StatePassPlan:
+def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device,
+                    sms: int | None = None) -> StatePassPlan:
     """Pick the state pass's grid from shapes alone (no device values are read).
 
     A program's chunk-to-chunk time is a latency chain that shrinks little with
@@ -84,12 +85,14 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
     double the parallelism for less time per chunk; where they would need two
     waves, 64 columns are faster.  Context parallelism (three passes) comes on
     top where even that leaves most SMs idle.  (H200 measurements of every
-    choice: ``benchmarks/compare_plans.py``, BENCHMARKS.md.)
+    choice: ``benchmarks/compare_plans.py``, BENCHMARKS.md.)  ``sms``: the SMs the
+    pass has to itself (default all; the backward's two walks run side by side).
     """
+    sms = sms or context_parallel.num_sms(device)
     programs = (HEAD_DIM // 64) * num_v_heads * num_seqs
-    block_v = 32 if 2 * programs <= context_parallel.num_sms(device) else 64
+    block_v = 32 if 2 * programs <= sms else 64
     programs = (HEAD_DIM // block_v) * num_v_heads * num_seqs
-    return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, device))
+    return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
 
 
 @dataclasses.dataclass
@@ -159,6 +162,10 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
 def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, chunk_states=None):
     """One fused pass (step 2) over the sequences ``offsets`` describes; returns their final states.
 
+    ``out`` receives the output (None: the pass only walks the states, as context
+    parallelism's first two passes and the backward's recompute do; ``o`` shares the
+    token symbol of q, k and v, so a one-row placeholder would not pass the kernel's
+    shape checks, and ``values`` stands in for it);
     ``chunk_states`` (``[T // 64 + N + 1, Hv, K, V]`` in q's dtype, or None) receives
     the state entering every chunk (the backward's recompute; see chunk_forward).
     """
@@ -168,12 +175,13 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, 
     hqk, hv, kdim, vdim, dtype = ops.config
     device = ops.v.device
     states = offsets.numel() - 1
-    placeholder = placeholder_state(hv, kdim, vdim, device)
-    ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else placeholder
+    no_state = placeholder_state(hv, kdim, vdim, device)
+    ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else no_state
     kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
-                             block_v, chunk_states is not None)
+                             block_v, chunk_states is not None, out is not None)
     kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, values, ops.gamma, ops.a_keys, ops.a_values, offsets,
-           placeholder if h0 is None else h0, ops.scale, out, ht,
+           no_state if h0 is None else h0, ops.scale,
+           values if out is None else out, ht,
            placeholder_state(hv, kdim, vdim, device, ops.v.dtype) if chunk_states is None else chunk_states)
     return ht
 
@@ -203,7 +211,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         seg_cu, first_segment, num_segments = planning.table(
             context_parallel.segment_table, ops.plan_offsets, total, plan.segment_tokens)
         initial = h0 if h0 is not None else torch.zeros(num_seqs, hv, kdim, vdim, device=device)
-        run = lambda values, start, last: state_pass(ops, values, seg_cu, start, not last, o, plan.block_v)
+        run = lambda values, start, last: state_pass(ops, values, seg_cu, start, not last, o if last else None,
+                                                     plan.block_v)
         ht = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
     if torch.cuda.is_current_stream_capturing():
         # Offsets were not checked on the host: keep tokens past cu_seqlens[-1] defined.

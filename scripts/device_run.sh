@@ -32,7 +32,8 @@ for step in $steps; do
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
              | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
-    bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
+    bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} \
+             ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
     bwdquick) python benchmarks/bench_backward.py --quick --out "$OUT/bench" 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -12 ;;
@@ -45,10 +46,11 @@ for step in $steps; do
              m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); \
              m.run_benchmark(repo_id='.', branch=None, version=None, iterations=30, warmup=5)" 2>&1 \
              | grep -v INFO | tee "$OUT/kbench.log" | tail -25 ;;
-    ncusrc)
-      ncu --clock-control none -k regex:chunk_forward --launch-count 1 --launch-skip 2 \
+    ncusrc) # NCU_KERNEL (a regex, default chunk_forward) and NCU_PROBLEM (profile_kernels.py's options)
+      ncu --clock-control none -k regex:${NCU_KERNEL:-chunk_forward} --launch-count 1 --launch-skip 2 \
         --section WarpStateStats --section SourceCounters --page source --csv --print-source sass \
-        python benchmarks/profile_kernels.py --heads 16x32 --lengths 32768x1 > "$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
+        python benchmarks/profile_kernels.py ${NCU_PROBLEM:---heads 16x32 --lengths 32768x1} \
+        > "$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
       python benchmarks/ncu_hotspots.py "$OUT/ncu_source.csv" 45 2>&1 | tee "$OUT/ncu_hotspots.log" | head -50 ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
     profile)
@@ -57,15 +59,15 @@ for step in $steps; do
         python benchmarks/profile_kernels.py --heads "$1" --lengths "$2" 2>&1 | grep -v INFO | tee -a "$OUT/profile.log" | tail -22
       done ;;
     bwdprofile)
-      for cfg in "16x32 8192x1" "16x32 32768x1" "2x4 8192x1"; do
-        set -- $cfg
-        python benchmarks/profile_kernels.py --backward 1 --heads "$1" --lengths "$2" 2>&1 | grep -v INFO \
+      for cfg in ${BWD_PROFILE:-16x32:8192x1 16x32:32768x1 2x4:8192x1}; do  # HqkxHv:LENxCOUNT ...
+        python benchmarks/profile_kernels.py --backward 1 --heads "${cfg%%:*}" --lengths "${cfg##*:}" 2>&1 | grep -v INFO \
           | tee -a "$OUT/profile-backward.log" | tail -18
       done ;;
-    ncu)
-      ncu --clock-control none -k regex:chunk_forward --launch-count 1 --launch-skip 3 \
+    ncu)   # the same two variables as ncusrc
+      ncu --clock-control none -k regex:${NCU_KERNEL:-chunk_forward} --launch-count 1 --launch-skip 3 \
         --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
-        python benchmarks/profile_kernels.py --heads 16x32 --lengths 4096x8 > "$OUT/ncu.log" 2>&1
-      grep -v "^==PROF==\|INFO" "$OUT/ncu.log" | grep -A80 "chunk_forward" | head -90 ;;
+        --section MemoryWorkloadAnalysis \
+        python benchmarks/profile_kernels.py ${NCU_PROBLEM:---heads 16x32 --lengths 4096x8} > "$OUT/ncu.log" 2>&1
+      grep -v "^==PROF==\|INFO" "$OUT/ncu.log" | grep -A100 "${NCU_KERNEL:-chunk_forward}" | head -110 ;;
   esac
 done

@@ -44,8 +44,10 @@ def main():
         compile_program(build_inverse_norms, hqk, 128, dtype)
         compile_program(build_chunk_prep, hqk, hv, 128, dtype)
         line = f"({hqk},{hv}) {dtype}: norms + prep {time.perf_counter() - t:.1f} s"
-        if args.all_flags:  # the flag pairs that context parallelism uses, and its scan
+        if args.all_flags:  # context parallelism's scan and its first two passes (states only)
             compile_program(build_segment_scan, hv, 128, 128)
+            for has_h0, block_v in itertools.product([True, False], [int(b) for b in args.block_v.split(",")]):
+                compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, True, block_v, False, False)
         for (has_h0, store_ht), block_v in itertools.product(flags, [int(b) for b in args.block_v.split(",")]):
             t = time.perf_counter()
             compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht, block_v)
@@ -57,7 +59,7 @@ def main():
             for l2norm in (True, False):
                 compile_program(build_qk_input_gradients, hqk, hv, 128, dtype, l2norm)
             for has_state, block_v in itertools.product([True, False], [int(b) for b in args.block_v.split(",")]):
-                compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_state, False, block_v, True)
+                compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_state, False, block_v, True, False)
                 compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_state, block_v)
             line += f", backward {time.perf_counter() - t:.1f} s"
         print(line, flush=True)

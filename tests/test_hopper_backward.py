@@ -160,11 +160,12 @@ def test_local_gradient_kernel_matches_its_torch_form(decay):
 
 
 @pytest.mark.parametrize("decay", ["normal", "none"])
-def test_context_parallel_walks(decay):
+def test_context_parallel_walks(decay, monkeypatch):
     """Long sequences at few heads: both walks split into segments (the reverse scan runs backwards)."""
-    seqs = [9000, 3001]
+    assert hopper_backward.plan_walks(32768, 1, 4, torch.device("cuda")).segment_tokens is not None
+    seqs = [9000, 3001]  # segments of 2048 tokens: the last ones of both sequences are partial
+    monkeypatch.setattr(hopper_backward, "plan_walks", lambda *args: hopper_forward.StatePassPlan(32, 2048))
     x = _inputs(seqs=seqs, decay=decay, initial_state=True, hqk=1, hv=4)
-    assert hopper_forward.plan_state_pass(sum(seqs), 2, 4, torch.device("cuda")).segment_tokens is not None
     do, dht = _output_grads(x)
     got = _grads(x, do, dht, True)
     # The float64 reference here is the chunked backward (the spec, checked against autograd
@@ -190,6 +191,23 @@ def test_qk_input_gradient_kernel_matches_undo_prepare(l2norm):
     for g, w in zip(got, want):
         assert g.dtype == torch.bfloat16 and g.shape == (100, 2, D)
         assert rel_rms(g, w) < 4e-3  # one rounding to bf16
+
+
+def test_backward_replays_in_a_cuda_graph():
+    """Captured in a CUDA graph (the recompute's stream forks from and joins the captured one): a replay
+    writes the eager call's gradients."""
+    x = _inputs(seqs=[300, 1, 129], initial_state=True)
+    do, dht = _output_grads(x)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], do, dht, True, x["cu_seqlens"])
+    eager = hopper_backward.chunk_backward(*args)  # also plans: the tables are cached before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = hopper_backward.chunk_backward(*args)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(c, e) for c, e in zip(captured, eager))
 
 
 def test_gradients_are_bitwise_deterministic():

@@ -53,14 +53,15 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse):
 def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht, block_v):
     source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht,
                              block_v).get_kernel_source()
-    assert "wgmma" in source
+    assert "wgmma" in source and "(o + " in source and "q_desc" in source
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,has_dht,block_v", [(16, 32, "bfloat16", True, 64), (2, 8, "float16", False, 32)])
 def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
-    """The backward's recompute (the forward storing every chunk's entering state) and reverse pass."""
-    recompute = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_dht, False, block_v, True)
-    assert "chunk_states" in recompute.get_kernel_source()
+    """The backward's recompute (the forward storing every chunk's entering state, no output) and reverse pass."""
+    recompute = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_dht, False, block_v, True, False)
+    source = recompute.get_kernel_source()
+    assert "chunk_states" in source and "(o + " not in source and "q_desc" not in source  # no output, no q
     source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v).get_kernel_source()
     assert "wgmma" in source and "chunk_state_grads" in source
 

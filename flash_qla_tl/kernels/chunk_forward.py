@@ -64,9 +64,14 @@ def build_chunk_forward(
     store_final_state: bool,
     block_v: int = 64,
     store_chunk_states: bool = False,
+    store_output: bool = True,
     chunk: int = 64,
 ):
-    """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic."""
+    """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic.
+
+    Without ``store_output`` the pass only walks the states (context parallelism's
+    first two passes, the backward's recompute): no ``Q S``, ``P``, ``P U`` or ``o``.
+    """
     import tilelang.language as T
 
     K, V, C = head_dim_k, head_dim_v, chunk
@@ -165,8 +170,11 @@ def build_chunk_forward(
                     # commit group each) and Q S beside it.
                     T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
                     T.wgmma_gemm(kbar_op[st, :, :], state_op, u)
-                    T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
-                    T.wait_wgmma(1)
+                    if store_output:
+                        T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
+                        T.wait_wgmma(1)
+                    else:
+                        T.wait_wgmma(0)
 
                     # U is done (Q S may still run): mask its padded rows, decay it to the
                     # chunk end for the state update, and decay the state itself.
@@ -177,20 +185,23 @@ def build_chunk_forward(
                     T.copy(u_decayed, u_decayed_op)
                     for d, j in T.Parallel(K, block_v):
                         state[d, j] = state[d, j] * chunk_decay[st]
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(C, block_v):
-                        out[i, j] = out[i, j] * out_gate[st, i]
+                    if store_output:
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(C, block_v):
+                            out[i, j] = out[i, j] * out_gate[st, i]
 
                     # Round 2: O += P U;  S += K^T diag(exp2(gamma_last - gamma) rk) U.
-                    T.wgmma_gemm(p_op[st, :, :], u_op, out)
+                    if store_output:
+                        T.wgmma_gemm(p_op[st, :, :], u_op, out)
                     T.wgmma_gemm(k_tile[st, :, :], u_decayed_op, state, transpose_A=True)
                     T.wait_wgmma(0)
                     # Every read of this stage (both rings) has completed.
                     T.barrier_arrive(consumed[st])
 
-                    for i, j in T.Parallel(C, block_v):
-                        if i < n:
-                            o[s + i, hv, v0 + j] = out[i, j]
+                    if store_output:
+                        for i, j in T.Parallel(C, block_v):
+                            if i < n:
+                                o[s + i, hv, v0 + j] = out[i, j]
 
                 if store_final_state:
                     T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
@@ -211,11 +222,13 @@ def build_chunk_forward(
                         zero_rows_past(v_tile, st, n, C, block_v)
 
                     T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
-                    T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
+                    if store_output:
+                        T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
                     for i in T.Parallel(C):
-                        out_gate[st, i] = T.Select(
-                            i < n, T.exp2(gamma_tile[st, i, hg]) * scale * q_scale[st, i, hkn], T.float32(0)
-                        )
+                        if store_output:
+                            out_gate[st, i] = T.Select(
+                                i < n, T.exp2(gamma_tile[st, i, hg]) * scale * q_scale[st, i, hkn], T.float32(0)
+                            )
                         decay_to_end[st, i] = T.Select(
                             i < n, T.exp2(gamma_tile[st, n - 1, hg] - gamma_tile[st, i, hg]) * k_scale[st, i, hkn], T.float32(0)
                         )
@@ -223,9 +236,11 @@ def build_chunk_forward(
                             chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
                     T.wait_wgmma(0)
 
-                    gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
+                    if store_output:
+                        gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
                     T.copy(kbar, kbar_op[st, :, :])
-                    T.copy(qk, p_op[st, :, :])
+                    if store_output:
+                        T.copy(qk, p_op[st, :, :])
                     # The chain reads these (and the zeroed k / v rows) with wgmma, the async proxy.
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
@@ -237,7 +252,8 @@ def build_chunk_forward(
                     # A slot is free once the chain released its previous chunk; on the
                     # first lap round the ring there is none, and the wait passes.
                     T.barrier_wait(consumed[st], (c // STAGES) % 2 ^ 1)
-                    T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
+                    if store_output:
+                        T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(v[s : s + C, hv, v0 : v0 + block_v], v_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])

@@ -45,10 +45,10 @@ THREADS = 256  # two warpgroups: every 64-row GEMM tile is one wgmma row block
 def build_chunk_local_gradients(
     num_qk_heads: int, num_v_heads: int, head_dim_k: int, head_dim_v: int, dtype: str, chunk: int = 64
 ):
-    """Build the local-gradient PrimFunc for one static config (grid ``(U, Hv)``, ``U`` chunks, symbolic)."""
+    """Build the local-gradient PrimFunc for one static config (``U * Hv`` programs, ``U`` chunks, symbolic)."""
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
-    assert C == 64 and num_v_heads % num_qk_heads == 0
+    assert C == 64 and K == 2 * C and num_v_heads % num_qk_heads == 0  # K == 2C: <S, dS'> sums two halves
     group = num_v_heads // num_qk_heads
     accum = "float32"
 
@@ -71,12 +71,34 @@ def build_chunk_local_gradients(
         row_sums(products, sums, out)
 
     @T.macro
-    def column_sums(matrix, square, transposed, sums, out):
-        """``out[j] = sum_r matrix[r, j]`` of a C x C fragment: transposed through shared memory, then row sums."""
-        T.copy(matrix, square)
-        for j, r in T.Parallel(C, C):
-            transposed[j, r] = square[r, j]
-        row_sums(transposed, sums, out)
+    def serial_sum(term):
+        """``sum_i term(i)`` over ``i < C`` in the calling thread (two interleaved partial sums).
+
+        For sums no fragment layout serves: a block-wide reduction of a fragment's row
+        costs two barriers for every row a thread holds.
+        """
+        even = T.alloc_var(accum, init=0)
+        odd = T.alloc_var(accum, init=0)
+        for i in T.unroll(C // 2):
+            even = even + term(2 * i)
+            odd = odd + term(2 * i + 1)
+        return even + odd
+
+    @T.macro
+    def zero_rows_past(n, key_tile, value_tiles, square_tiles):
+        """Rows ``r >= n`` of a [C, K] tile, of [C, V] tiles and of [C, C] tiles set to zero, then a block sync."""
+        for r, d in T.Parallel(C, K):
+            if r >= n:
+                key_tile[r, d] = 0
+        for r, j in T.Parallel(C, V):
+            if r >= n:
+                for tile in value_tiles:
+                    tile[r, j] = 0
+        for r, j in T.Parallel(C, C):
+            if r >= n:
+                for tile in square_tiles:
+                    tile[r, j] = 0
+        T.sync_threads()
 
     @T.macro
     def decay(gamma_tile, r, j, n):
@@ -107,7 +129,11 @@ def build_chunk_local_gradients(
         dg: T.Tensor([num_tokens, num_v_heads], accum),
         dbeta: T.Tensor([num_tokens, num_v_heads], accum),
     ):
-        with T.Kernel(num_chunks, num_v_heads, threads=THREADS) as (chunk_id, hv):
+        # Value heads fastest: the programs of one q/k head group run together and share its
+        # q, k tiles in L2.  One grid dimension, so the chunk count is not bound by gridDim.y.
+        with T.Kernel(num_chunks * num_v_heads, threads=THREADS) as program:
+            hv = program % num_v_heads
+            chunk_id = program // num_v_heads
             hk = hv // group
             s = chunk_table[chunk_id, 0]
             n = chunk_table[chunk_id, 1] - s
@@ -123,13 +149,9 @@ def build_chunk_local_gradients(
             q_gate_sum = T.alloc_shared([C], accum)  # rowsum(Qs o dq_gated)
             tail_sum = T.alloc_shared([C], accum)  # rowsum(Kn o d_tail)
             k_gate_sum = T.alloc_shared([C], accum)  # rowsum(Kn o d_k_gated)
-            exponent_rows = T.alloc_shared([C], accum)
-            exponent_cols = T.alloc_shared([C], accum)
-            beta_cols = T.alloc_shared([C], accum)  # colsum(d_gated o A0 o E)
             beta_rows = T.alloc_shared([C], accum)  # rowsum(dM o gram)
-            d_gamma = T.alloc_shared([C], accum)
-            d_gamma_suffix = T.alloc_shared([C], accum)
-            state_total = T.alloc_shared([C], accum)  # <S, dS'>, in every row
+            # colsum(X), rowsum(X), colsum(d_gated o A0 o E), <S, dS'> (in every column)
+            sums = T.alloc_shared([4, C], accum)
             state_dot = T.alloc_shared([K], accum)  # rowsum(S o dS'), summed to <S, dS'> at the end
 
             # GEMM operands.
@@ -151,9 +173,11 @@ def build_chunk_local_gradients(
             d_a0_op = T.alloc_shared([C, C], dtype)
             a0t_d_a0 = T.alloc_shared([C, C], dtype)
             d_gram_op = T.alloc_shared([C, C], dtype)
-            square = T.alloc_shared([C, C], accum)  # a C x C fp32 matrix on its way to column sums
+            square_x = T.alloc_shared([C, C], accum)  # X, for its row and column sums
+            square_g = T.alloc_shared([C, C], accum)  # d_gated o A0 o E, for its column sums
 
-            loaded = T.alloc_barrier(arrive_count=THREADS)
+            u_loaded = T.alloc_barrier(arrive_count=THREADS)
+            rest_loaded = T.alloc_barrier(arrive_count=THREADS)
 
             # Accumulators.
             wide = T.alloc_fragment([C, K], accum)  # Kbar, then d_w, then d_k_gated
@@ -163,29 +187,29 @@ def build_chunk_local_gradients(
             products = T.alloc_fragment([C, K], accum)
             prod = T.alloc_fragment([C], accum)  # row sums of [C, K] products
             square_rows = T.alloc_fragment([C], accum)  # row sums of C x C accumulators
-            transposed_rows = T.alloc_fragment([C], accum)  # row sums of `transposed`
             d_attn = T.alloc_fragment([C, C], accum)
             d_decay = T.alloc_fragment([C, C], accum)  # d_decay, then X
             d_gated = T.alloc_fragment([C, C], accum)  # d_gated, then d_gated o A0 o E
             small = T.alloc_fragment([C, C], accum)  # A0^T d_a0, then dM
-            transposed = T.alloc_fragment([C, C], accum)
             state_products = T.alloc_fragment([K, V], accum)
             state_rows = T.alloc_fragment([K], accum)
 
             if n > 0:  # n == 0: a padding entry of the chunk table
-                # Every tile by TMA on one barrier (rows past the tensor arrive as zeros);
-                # the per-row values load meanwhile.
-                T.tma_copy(q[s : s + C, hk, :], q_tile, barrier=loaded)
-                T.tma_copy(k[s : s + C, hk, :], k_tile, barrier=loaded)
-                T.tma_copy(v[s : s + C, hv, :], v_tile, barrier=loaded)
-                T.tma_copy(do[s : s + C, hv, :], do_tile, barrier=loaded)
-                T.tma_copy(du[s : s + C, hv, :], du_tile, barrier=loaded)
-                T.tma_copy(A_keys[s : s + C, hv, :], a_keys, barrier=loaded)
-                T.tma_copy(A_values[s : s + C, hv, :], gated, barrier=loaded)
-                T.tma_copy(A_inverse[s : s + C, hv, :], a0, barrier=loaded)
-                T.tma_copy(chunk_states[slot, hv, :, :], state, barrier=loaded)
-                T.tma_copy(chunk_state_grads[slot, hv, :, :], state_grad, barrier=loaded)
-                T.barrier_arrive(loaded)
+                # Every tile by TMA (rows past the tensor arrive as zeros), on two barriers: U's
+                # operands first, so that its GEMMs run while the rest arrives.  The per-row values
+                # load meanwhile.
+                T.tma_copy(A_keys[s : s + C, hv, :], a_keys, barrier=u_loaded)
+                T.tma_copy(k[s : s + C, hk, :], k_tile, barrier=u_loaded)
+                T.tma_copy(A_values[s : s + C, hv, :], gated, barrier=u_loaded)
+                T.tma_copy(v[s : s + C, hv, :], v_tile, barrier=u_loaded)
+                T.tma_copy(chunk_states[slot, hv, :, :], state, barrier=u_loaded)
+                T.barrier_arrive(u_loaded)
+                T.tma_copy(do[s : s + C, hv, :], do_tile, barrier=rest_loaded)
+                T.tma_copy(q[s : s + C, hk, :], q_tile, barrier=rest_loaded)
+                T.tma_copy(chunk_state_grads[slot, hv, :, :], state_grad, barrier=rest_loaded)
+                T.tma_copy(du[s : s + C, hv, :], du_tile, barrier=rest_loaded)
+                T.tma_copy(A_inverse[s : s + C, hv, :], a0, barrier=rest_loaded)
+                T.barrier_arrive(rest_loaded)
                 for r in T.Parallel(C):
                     valid = r < n
                     gamma_tile[r] = T.if_then_else(valid, gamma[s + r, hv], T.float32(0))
@@ -195,34 +219,15 @@ def build_chunk_local_gradients(
                 for r in T.Parallel(C):
                     gate[r] = T.Select(r < n, T.exp2(gamma_tile[r]), T.float32(0))
                     to_end[r] = T.Select(r < n, T.exp2(gamma_tile[n - 1] - gamma_tile[r]), T.float32(0))
-                T.barrier_wait(loaded, 0)
-                # The wait covers the TMA bytes, not the other threads' stores above: TileLang's
-                # sync insertion counts it as a barrier, so the block-wide sync is written out.
-                T.sync_threads()
 
                 # A sequence's last chunk: rows past n are the next sequence's tokens.  Zeroed
                 # (columns past n are zero by chunk_prep's contract), so padding adds nothing.
+                # A wait covers the TMA bytes, not the other threads' stores: TileLang's sync
+                # insertion counts it as a barrier, so the block-wide syncs are written out.
+                T.barrier_wait(u_loaded, 0)
+                T.sync_threads()
                 if n < C:
-                    for r, d in T.Parallel(C, K):
-                        if r >= n:
-                            q_tile[r, d] = 0
-                            k_tile[r, d] = 0
-                    for r, j in T.Parallel(C, V):
-                        if r >= n:
-                            v_tile[r, j] = 0
-                            do_tile[r, j] = 0
-                            du_tile[r, j] = 0
-                    for r, j in T.Parallel(C, C):
-                        if r >= n:
-                            a_keys[r, j] = 0
-                            gated[r, j] = 0
-                            a0[r, j] = 0
-                    T.sync_threads()
-                for r, d in T.Parallel(C, K):
-                    q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)  # Q -> Qs
-                for d, j in T.Parallel(K, V):
-                    state_products[d, j] = T.cast(state[d, j], accum) * T.cast(state_grad[d, j], accum)
-                row_sums(state_products, state_rows, state_dot)
+                    zero_rows_past(n, k_tile, (v_tile,), (a_keys, gated))
 
                 # U = gated V + Kbar S, with Kbar = A_keys K (raw keys: A_keys carries rk).
                 T.gemm(a_keys, k_tile, wide, clear_accum=True)
@@ -230,6 +235,16 @@ def build_chunk_local_gradients(
                 T.gemm(gated, v_tile, u_acc, clear_accum=True)
                 T.gemm(kbar_op, state, u_acc)
                 T.copy(u_acc, u_op)
+
+                T.barrier_wait(rest_loaded, 0)
+                T.sync_threads()
+                if n < C:
+                    zero_rows_past(n, q_tile, (do_tile, du_tile), (a0,))
+                for r, d in T.Parallel(C, K):
+                    q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)  # Q -> Qs
+                for d, j in T.Parallel(K, V):
+                    state_products[d, j] = T.cast(state[d, j], accum) * T.cast(state_grad[d, j], accum)
+                row_sums(state_products, state_rows, state_dot)
                 for r, d in T.Parallel(C, K):
                     k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)  # K -> Kn
                 for r, d in T.Parallel(C, K):
@@ -301,30 +316,37 @@ def build_chunk_local_gradients(
                     if r < n:
                         dk[s + r, hv, d] = dk_acc[r, d]
 
-                # Row and column sums of X, column sums of d_gated o A0 o E.
-                row_sums(d_decay, square_rows, exponent_rows)
-                column_sums(d_decay, square, transposed, transposed_rows, exponent_cols)
-                column_sums(d_gated, square, transposed, transposed_rows, beta_cols)
-
-                for r in T.Parallel(C):
-                    d_gamma[r] = (
-                        gate[r] * (q_gate_sum[r] + k_gate_sum[r]) - to_end[r] * tail_sum[r]
-                        + exponent_rows[r] - exponent_cols[r]
-                    )
-                # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last); gamma_last enters through every
-                # te and through the chunk's decay exp(gamma_last) S.  Both sums are row sums: of
-                # a selection of d_gamma (the suffix, plus every te term), and of <S, dS'>'s rows.
-                for r, j in T.Parallel(C, C):
-                    transposed[r, j] = T.Select(j < n, T.Select(j >= r, d_gamma[j], T.float32(0))
-                                                + to_end[j] * tail_sum[j], T.float32(0))
-                row_sums(transposed, transposed_rows, d_gamma_suffix)
-                for r, d in T.Parallel(C, K):
-                    products[r, d] = state_dot[d]
-                row_sums(products, prod, state_total)
-                for r in T.Parallel(C):
-                    if r < n:
-                        dg[s + r, hv] = d_gamma_suffix[r] + T.exp2(gamma_tile[n - 1]) * state_total[r]
-                        dbeta[s + r, hv] = beta_cols[r] + beta_rows[r]
+                # The C x C sums, one thread each, from shared memory: X's column and row sums
+                # (rows read from a rotated start, free of bank conflicts), d_gated o A0 o E's
+                # column sums, and <S, dS'> (the same in every thread of the last quarter).
+                T.copy(d_decay, square_x)
+                T.copy(d_gated, square_g)
+                tx = T.get_thread_binding()
+                i = tx % C
+                total = T.alloc_var(accum)
+                if tx < C:
+                    total = serial_sum(lambda r: square_x[r, i])
+                elif tx < 2 * C:
+                    total = serial_sum(lambda j: square_x[i, (i + j) % C])
+                elif tx < 3 * C:
+                    total = serial_sum(lambda r: square_g[r, i])
+                else:
+                    total = serial_sum(lambda d: state_dot[d] + state_dot[d + C])
+                # Every quarter has read the squares before any writes a sum: the merge places
+                # `sums` on them, and a quarter's own barrier would not cover the others' reads.
+                T.sync_threads()
+                sums[tx // C, i] = total
+                # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last), and gamma_last enters through
+                # every te (cancelling d_gamma's te terms for r' >= r) and through the chunk's decay
+                # exp(gamma_last) S.
+                if tx < n:
+                    dg[s + tx, hv] = serial_sum(lambda j: T.Select(
+                        j < n,
+                        T.Select(j >= tx, gate[j] * (q_gate_sum[j] + k_gate_sum[j]) + sums[1, j] - sums[0, j],
+                                 to_end[j] * tail_sum[j]),
+                        T.float32(0),
+                    )) + T.exp2(gamma_tile[n - 1]) * sums[3, tx]
+                    dbeta[s + tx, hv] = sums[2, tx] + beta_rows[tx]
 
     return chunk_local_gradients
 
@@ -332,6 +354,10 @@ def build_chunk_local_gradients(
 # The tiles' lifetimes overlap little (S and dS' die halfway, the 64 x 64 tiles of the
 # inverse's gradient are born late), but TileLang's default merge keeps every
 # buffer live from a TMA load on: 300 KB, more than an SM has (the launch failed on
-# an H200).  The aggressive merge reuses by liveness: 202 KB (206848 bytes).  Safe here: every GEMM waits for its
-# operands, and the TMA loads are issued first, so no async access straddles a reuse.
+# an H200).  The aggressive merge reuses by liveness: 202 KB (206848 bytes).  Safe
+# here: every GEMM waits for its operands, the TMA loads are issued first, so no
+# async access straddles a reuse, and the one phase whose threads take different
+# branches (the serial sums) syncs before it writes.  Liveness follows program
+# order, so a write after the branches could land on a square another branch is
+# still reading.
 build_chunk_local_gradients.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
