@@ -1,8 +1,9 @@
-"""The device-side work lists: chunk table and the context-parallel segments and scan (CPU)."""
+"""The device-side work lists: chunk table, context-parallel segments and scan, the state passes' plans (CPU)."""
 
+import pytest
 import torch
 
-from flash_qla_tl import context_parallel, planning
+from flash_qla_tl import context_parallel, hopper_backward, hopper_forward, planning
 
 
 def test_chunk_table_covers_every_token_once():
@@ -88,3 +89,18 @@ def test_segment_chunk_table_has_the_sequence_chunks_with_segment_slots():
     assert torch.equal(real(by_segment)[:, :2], real(by_sequence)[:, :2])
     seg_cu, _, _ = context_parallel.segment_table(cu, 3000, 256)
     assert torch.equal(by_segment, planning.chunk_table(seg_cu, 3000))
+
+
+@pytest.mark.parametrize("heads, seqs, forward, walks", [
+    # One 32K sequence at 32 value heads: 128 programs of 32 columns fill the GPU alone, but
+    # the two walks run at once on half the SMs each, so each takes 64 programs of 64 columns.
+    (32, 1, hopper_forward.StatePassPlan(32, None), hopper_forward.StatePassPlan(64, None)),
+    # Few heads, one sequence: still split into segments on half the GPU.
+    (4, 1, hopper_forward.StatePassPlan(32, 4096), hopper_forward.StatePassPlan(32, 8192)),
+    # Two sequences at 4 heads: the forward splits, the walks (32 programs each) do not.
+    (4, 2, hopper_forward.StatePassPlan(32, 4096), hopper_forward.StatePassPlan(32, None)),
+])
+def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeypatch):
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
+    assert hopper_forward.plan_state_pass(32768, seqs, heads, None) == forward
+    assert hopper_backward.plan_walks(32768, seqs, heads, None) == walks
