@@ -49,6 +49,7 @@ def build_chunk_local_gradients(
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
     assert C == 64 and K == 2 * C and num_v_heads % num_qk_heads == 0  # K == 2C: <S, dS'> sums two halves
+    assert THREADS == 4 * C  # the serial sums: one quarter of the block per kind of sum
     group = num_v_heads // num_qk_heads
     accum = "float32"
 
