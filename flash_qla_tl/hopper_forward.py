@@ -163,9 +163,7 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, 
     """One fused pass (step 2) over the sequences ``offsets`` describes; returns their final states.
 
     ``out`` receives the output (None: the pass only walks the states, as context
-    parallelism's first two passes and the backward's recompute do; ``o`` shares the
-    token symbol of q, k and v, so a one-row placeholder would not pass the kernel's
-    shape checks, and ``values`` stands in for it);
+    parallelism's first two passes and the backward's recompute do);
     ``chunk_states`` (``[T // 64 + N + 1, Hv, K, V]`` in q's dtype, or None) receives
     the state entering every chunk (the backward's recompute; see chunk_forward).
     """
@@ -181,7 +179,7 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, 
                              block_v, chunk_states is not None, out is not None)
     kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, values, ops.gamma, ops.a_keys, ops.a_values, offsets,
            no_state if h0 is None else h0, ops.scale,
-           values if out is None else out, ht,
+           placeholder((1, hv, vdim), ops.v.dtype, device) if out is None else out, ht,
            placeholder_state(hv, kdim, vdim, device, ops.v.dtype) if chunk_states is None else chunk_states)
     return ht
 

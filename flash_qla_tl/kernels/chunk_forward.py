@@ -85,8 +85,9 @@ def build_chunk_forward(
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")
-    # initial_state and final_state get separate symbols so that a launcher may pass
-    # a one-row placeholder for whichever of the two this config ignores.
+    # o, initial_state and final_state get their own row symbols so that a launcher may
+    # pass a one-row placeholder for whichever of them this config ignores.
+    num_output_rows = T.dynamic("T_out")
     num_states_in = T.dynamic("NS")
     num_states_out = T.dynamic("NS_out")
     num_chunk_slots = T.dynamic("NC")
@@ -104,7 +105,7 @@ def build_chunk_forward(
         cu_seqlens: T.Tensor([num_seqs + 1], "int32"),
         initial_state: T.Tensor([num_states_in, num_v_heads, K, V], accum),
         scale: T.float32,
-        o: T.Tensor([num_tokens, num_v_heads, V], dtype),
+        o: T.Tensor([num_output_rows, num_v_heads, V], dtype),
         final_state: T.Tensor([num_states_out, num_v_heads, K, V], accum),
         chunk_states: T.Tensor([num_chunk_slots, num_v_heads, K, V], dtype),
     ):

@@ -86,11 +86,12 @@ def build_chunk_local_gradients(
         return even + odd
 
     @T.macro
-    def zero_rows_past(n, key_tile, value_tiles, square_tiles):
-        """Rows ``r >= n`` of a [C, K] tile, of [C, V] tiles and of [C, C] tiles set to zero, then a block sync."""
+    def zero_rows_past(n, key_tiles, value_tiles, square_tiles):
+        """Rows ``r >= n`` of [C, K], [C, V] and [C, C] tiles set to zero, then a block sync."""
         for r, d in T.Parallel(C, K):
             if r >= n:
-                key_tile[r, d] = 0
+                for tile in key_tiles:
+                    tile[r, d] = 0
         for r, j in T.Parallel(C, V):
             if r >= n:
                 for tile in value_tiles:
@@ -177,8 +178,7 @@ def build_chunk_local_gradients(
             square_x = T.alloc_shared([C, C], accum)  # X, for its row and column sums
             square_g = T.alloc_shared([C, C], accum)  # d_gated o A0 o E, for its column sums
 
-            u_loaded = T.alloc_barrier(arrive_count=THREADS)
-            rest_loaded = T.alloc_barrier(arrive_count=THREADS)
+            loaded = T.alloc_barrier(arrive_count=THREADS)
 
             # Accumulators.
             wide = T.alloc_fragment([C, K], accum)  # Kbar, then d_w, then d_k_gated
@@ -196,21 +196,19 @@ def build_chunk_local_gradients(
             state_rows = T.alloc_fragment([K], accum)
 
             if n > 0:  # n == 0: a padding entry of the chunk table
-                # Every tile by TMA (rows past the tensor arrive as zeros), on two barriers: U's
-                # operands first, so that its GEMMs run while the rest arrives.  The per-row values
+                # Every tile by TMA (rows past the tensor arrive as zeros); the per-row values
                 # load meanwhile.
-                T.tma_copy(A_keys[s : s + C, hv, :], a_keys, barrier=u_loaded)
-                T.tma_copy(k[s : s + C, hk, :], k_tile, barrier=u_loaded)
-                T.tma_copy(A_values[s : s + C, hv, :], gated, barrier=u_loaded)
-                T.tma_copy(v[s : s + C, hv, :], v_tile, barrier=u_loaded)
-                T.tma_copy(chunk_states[slot, hv, :, :], state, barrier=u_loaded)
-                T.barrier_arrive(u_loaded)
-                T.tma_copy(do[s : s + C, hv, :], do_tile, barrier=rest_loaded)
-                T.tma_copy(q[s : s + C, hk, :], q_tile, barrier=rest_loaded)
-                T.tma_copy(chunk_state_grads[slot, hv, :, :], state_grad, barrier=rest_loaded)
-                T.tma_copy(du[s : s + C, hv, :], du_tile, barrier=rest_loaded)
-                T.tma_copy(A_inverse[s : s + C, hv, :], a0, barrier=rest_loaded)
-                T.barrier_arrive(rest_loaded)
+                T.tma_copy(A_keys[s : s + C, hv, :], a_keys, barrier=loaded)
+                T.tma_copy(k[s : s + C, hk, :], k_tile, barrier=loaded)
+                T.tma_copy(A_values[s : s + C, hv, :], gated, barrier=loaded)
+                T.tma_copy(v[s : s + C, hv, :], v_tile, barrier=loaded)
+                T.tma_copy(chunk_states[slot, hv, :, :], state, barrier=loaded)
+                T.tma_copy(do[s : s + C, hv, :], do_tile, barrier=loaded)
+                T.tma_copy(q[s : s + C, hk, :], q_tile, barrier=loaded)
+                T.tma_copy(chunk_state_grads[slot, hv, :, :], state_grad, barrier=loaded)
+                T.tma_copy(du[s : s + C, hv, :], du_tile, barrier=loaded)
+                T.tma_copy(A_inverse[s : s + C, hv, :], a0, barrier=loaded)
+                T.barrier_arrive(loaded)
                 for r in T.Parallel(C):
                     valid = r < n
                     gamma_tile[r] = T.if_then_else(valid, gamma[s + r, hv], T.float32(0))
@@ -225,10 +223,10 @@ def build_chunk_local_gradients(
                 # (columns past n are zero by chunk_prep's contract), so padding adds nothing.
                 # A wait covers the TMA bytes, not the other threads' stores: TileLang's sync
                 # insertion counts it as a barrier, so the block-wide syncs are written out.
-                T.barrier_wait(u_loaded, 0)
+                T.barrier_wait(loaded, 0)
                 T.sync_threads()
                 if n < C:
-                    zero_rows_past(n, k_tile, (v_tile,), (a_keys, gated))
+                    zero_rows_past(n, (k_tile, q_tile), (v_tile, do_tile, du_tile), (a_keys, gated, a0))
 
                 # U = gated V + Kbar S, with Kbar = A_keys K (raw keys: A_keys carries rk).
                 T.gemm(a_keys, k_tile, wide, clear_accum=True)
@@ -237,10 +235,6 @@ def build_chunk_local_gradients(
                 T.gemm(kbar_op, state, u_acc)
                 T.copy(u_acc, u_op)
 
-                T.barrier_wait(rest_loaded, 0)
-                T.sync_threads()
-                if n < C:
-                    zero_rows_past(n, q_tile, (do_tile, du_tile), (a0,))
                 for r, d in T.Parallel(C, K):
                     q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)  # Q -> Qs
                 for d, j in T.Parallel(K, V):
