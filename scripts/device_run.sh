@@ -39,6 +39,12 @@ for step in $steps; do
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -12 ;;
     layer) python benchmarks/bench_layer.py --out "$OUT/layer" 2>&1 | grep -v "INFO\|Warning" | tee "$OUT/layer.log" | tail -30 ;;
     host)  python benchmarks/host_overhead.py 2>&1 | grep -v INFO | tee "$OUT/host.log" | head -45 ;;
+    bwdhost)
+      for cfg in ${BWD_HOST:-2x4:8192x1:autograd 2x4:8192x1:direct}; do  # HqkxHv:LENxCOUNT:direct|autograd ...
+        IFS=: read -r heads lengths how <<< "$cfg"
+        python benchmarks/host_overhead.py --backward "$how" --calls 50 --heads "$heads" --lengths "$lengths" 2>&1 \
+          | grep -v INFO | tee -a "$OUT/host-backward.log" | head -40
+      done ;;
     kbench) # `kernels benchmark .`, loading the command's module by path: the kernels CLI package
             # imports sigstore (signature checks, unused here), which the bundle does not have.
             python scripts/build_hub.py >/dev/null && python -c "import importlib.util, kernels; \
