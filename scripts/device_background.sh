@@ -11,7 +11,7 @@ set -uo pipefail
 dir=/tmp/background
 if [ "${1:-}" = start ]; then
   rm -rf "$dir" && mkdir -p "$dir"
-  OUT=$dir setsid bash -c "bash scripts/device_run.sh $2 > $dir/run.log 2>&1; echo \$? > $dir/rc" \
+  OUT=$dir setsid bash -c "bash scripts/device_run.sh ${2:?which steps} > $dir/run.log 2>&1; echo \$? > $dir/rc" \
     < /dev/null > /dev/null 2>&1 &
 fi
 [ -d "$dir" ] || { echo "nothing started on this machine (a fresh one?)"; exit 1; }
