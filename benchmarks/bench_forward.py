@@ -1,26 +1,33 @@
 """Forward of the gated delta rule: flash-qla-tl against its peers, side by side in one process.
 
-    python benchmarks/bench_forward.py --out results/            # the Qwen3.5 grid of issue 3
+    python benchmarks/bench_forward.py --out results/            # the Qwen3.5 grid of issue 3, both modes
     python benchmarks/bench_forward.py --quick                    # a few rows
+    python benchmarks/bench_forward.py --heads 16x32 --lengths 8192x4,1x2048 --modes l2norm
 
 Peers (each a column, labelled by what really ran):
   * ``fla``: fla-core's Triton kernels with ``FLA_FLASH_QLA=0`` (set before import),
     so that fla does not hand the call to flash-qla;
   * ``flash-qla``: the flash-qla package's own ``chunk_gated_delta_rule``.
 
-Inputs follow issue 3: K = V = 128, bf16, packed with cu_seqlens, an initial state
-and the final state on, g = logsigmoid(randn) / 16 in fp32, beta = sigmoid(randn),
-q/k l2-normalised in the kernel.  Times are the median over many calls, each timed
-with CUDA events after warm-up.  Each row also reports ns per token-head and the
-floor from the two ceilings measured in the same run (a device copy, a bf16 GEMM)
-and DESIGN.md's cost model (about 176 kFLOP per token-head; the bytes of q, k, v,
-g, beta in and o out).
+Protocol (issue 13): every library in this process on the same inputs: K = V =
+128, bf16, packed with cu_seqlens, an initial state and the final state on,
+g = logsigmoid(randn) / 16 in fp32 with a random quarter of the value heads set
+to g = 0 (long-memory heads: nothing may drop their history), beta =
+sigmoid(randn); two input modes, ``normalized`` (q/k l2-normalised by the caller,
+l2norm off) and ``l2norm`` (raw q/k, ``use_qk_l2norm_in_kernel=True``).  Kernel
+time is CUDA-graph replay (``timing.graph_ms``); the host time of one eager call
+is its own column (``timing.host_us``).  Every library's output is checked
+against the float64 chunked reference (relative RMS, ``err``).  Each row also
+reports ns per token-head and the floor from the two ceilings measured in the
+same run (a device copy, a bf16 GEMM) and DESIGN.md's cost model (about 176
+kFLOP per token-head; the bytes of q, k, v, g, beta in and o out).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -33,19 +40,22 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flash_qla_tl  # noqa: E402
-from timing import time_ms, versions  # noqa: E402
+from flash_qla_tl import reference  # noqa: E402
+from timing import CALLS_PER_GRAPH, geomean, graph_ms, host_us, versions  # noqa: E402
 
 HEADS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (16, 16), (32, 32)]
 LENGTHS = {
     "1x32768": [32768], "1x8192": [8192], "1x2048": [2048], "16384+16384": [16384, 16384],
     "24576+8192": [24576, 8192], "8192x4": [8192] * 4, "4096x8": [4096] * 8, "1024x8": [1024] * 8,
 }
+MODES = ("normalized", "l2norm")
+OURS = "flash-qla-tl"
 D = 128
 FLOP_PER_TOKEN_HEAD = 176e3  # forward, DESIGN.md section 4
 
 
 def peers() -> dict:
-    libs = {"flash-qla-tl": flash_qla_tl.chunk_gated_delta_rule}
+    libs = {OURS: flash_qla_tl.chunk_gated_delta_rule}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
         libs["fla"] = fla_fn
@@ -59,25 +69,46 @@ def peers() -> dict:
     return libs
 
 
-def make_problem(hqk, hv, seqs, seed=0):
+def parse_lengths(name: str) -> list[int]:
+    """``"8192x4"`` -> four 8192s, ``"4096+4096"`` -> two 4096s, or a name of ``LENGTHS``."""
+    if name in LENGTHS:
+        return LENGTHS[name]
+    if "x" in name:
+        length, count = name.split("x")
+        return [int(length)] * int(count)
+    return [int(n) for n in name.split("+")]
+
+
+def make_problem(hqk, hv, seqs, mode="l2norm", seed=0):
+    """The protocol's inputs; ``mode == "normalized"`` l2-normalises q and k here (the call then asks for no
+    l2norm).  A random quarter of the value heads (at least one) get g = 0."""
     gen = torch.Generator("cuda").manual_seed(seed)
     total = sum(seqs)
     rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    q, k = rnd(1, total, hqk, D), rnd(1, total, hqk, D)
+    if mode == "normalized":
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    g = F.logsigmoid(rnd(1, total, hv)) / 16
+    no_decay = torch.randperm(hv, generator=gen, device="cuda")[: max(1, hv // 4)]
+    g[:, :, no_decay] = 0
     return dict(
-        q=rnd(1, total, hqk, D).bfloat16(), k=rnd(1, total, hqk, D).bfloat16(), v=rnd(1, total, hv, D).bfloat16(),
-        g=F.logsigmoid(rnd(1, total, hv)) / 16, beta=torch.sigmoid(rnd(1, total, hv)),
+        q=q.bfloat16(), k=k.bfloat16(), v=rnd(1, total, hv, D).bfloat16(), g=g, beta=torch.sigmoid(rnd(1, total, hv)),
         initial_state=rnd(len(seqs), hv, D, D) * 0.05,
         cu_seqlens=torch.tensor([0] + torch.tensor(seqs).cumsum(0).tolist(), dtype=torch.int32, device="cuda"),
     )
+
+
+def rel_rms(x, ref) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
 
 
 def measure_ceilings() -> dict:
     """Device copy bandwidth (bytes read + written) and dense bf16 GEMM rate, on random data."""
     src = torch.randn(2 ** 30 // 4, device="cuda")
     dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src), reps=20)
+    copy_ms = graph_ms(lambda: dst.copy_(src))
     a, b = torch.randn(8192, 8192, device="cuda").bfloat16(), torch.randn(8192, 8192, device="cuda").bfloat16()
-    gemm_ms = time_ms(lambda: a @ b, reps=20)
+    gemm_ms = graph_ms(lambda: a @ b)
     return {"bytes_per_s": 2 * src.numel() * 4 / (copy_ms * 1e-3), "flop_per_s": 2 * 8192 ** 3 / (gemm_ms * 1e-3)}
 
 
@@ -88,59 +119,96 @@ def floor_ns_per_token_head(hqk, hv, ceilings, flop_per_token_head=FLOP_PER_TOKE
     return max(byte_ns, flop_ns)
 
 
-def run(grid, libs, ceilings, save):
-    """Time every config; ``save(rows)`` after each, so a cut-off run keeps what it measured."""
+def run(grid, libs, ceilings, save, check=True):
+    """Time every (heads, lengths, mode); ``save(rows)`` after each, so a cut-off run keeps what it measured."""
     rows = []
-    for (hqk, hv), (name, seqs) in grid:
-        x = make_problem(hqk, hv, seqs)
-        call = lambda fn: fn(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        o_ours, s_ours = call(libs["flash-qla-tl"])
-        row = {"hqk": hqk, "hv": hv, "lengths": name, "tokens": sum(seqs), "ms": {}, "diff": {}}
+    for (hqk, hv), name, mode in grid:
+        seqs = parse_lengths(name)
+        x = make_problem(hqk, hv, seqs, mode)
+        l2norm = mode == "l2norm"
+        call = lambda fn: fn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        ref = None
+        if check:
+            ref = reference.chunked_gated_delta_rule(
+                **{n: t.double() if t.is_floating_point() else t for n, t in x.items()},
+                output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        row = {"hqk": hqk, "hv": hv, "lengths": name, "mode": mode, "tokens": sum(seqs),
+               "ms": {}, "host_us": {}, "err": {}}
         for lib, fn in libs.items():
             try:
                 o, s = call(fn)
-                row["diff"][lib] = ((o.float() - o_ours.float()).norm() / o.float().norm()).item()
-                row["ms"][lib] = time_ms(lambda: call(fn))
+                if ref is not None:
+                    row["err"][lib] = {"o": rel_rms(o, ref[0]), "state": rel_rms(s, ref[1])}
+                del o, s
+                row["ms"][lib] = graph_ms(lambda: call(fn))
+                row["host_us"][lib] = host_us(lambda: call(fn))
             except Exception as e:  # a peer that fails a config is reported, not hidden
-                row["ms"][lib] = None
-                row["diff"][lib] = f"{type(e).__name__}: {e}"[:120]
+                row["ms"][lib] = row["host_us"][lib] = None
+                row["err"][lib] = f"{type(e).__name__}: {e}"[:160]
         th = row["tokens"] * hv
         row["ns_per_token_head"] = {lib: (ms * 1e6 / th if ms else None) for lib, ms in row["ms"].items()}
         row["floor_ns"] = floor_ns_per_token_head(hqk, hv, ceilings)
         rows.append(row)
         print(format_row(row), flush=True)
         save(rows)
-        del x
+        x = ref = None  # free the inputs before the next row allocates its own
     return rows
 
 
 def format_row(row) -> str:
-    ours = row["ms"]["flash-qla-tl"]
-    parts = [f"({row['hqk']:>2},{row['hv']:>2}) {row['lengths']:>12}"]
+    ours = row["ms"][OURS]
+    parts = [f"({row['hqk']:>2},{row['hv']:>2}) {row['lengths']:>12} {row['mode']:>10}"]
     for lib, ms in row["ms"].items():
-        ratio = f" x{ms / ours:.2f}" if ms and lib != "flash-qla-tl" else ""
-        parts.append(f"{lib} {ms:.3f} ms{ratio}" if ms else f"{lib} failed")
-    parts.append(f"ours {row['ns_per_token_head']['flash-qla-tl']:.3f} ns/th, floor {row['floor_ns']:.3f}")
+        ratio = f" x{ms / ours:.2f}" if ms and ours and lib != OURS else ""
+        err = row.get("err", {}).get(lib)
+        err = f" err {err['o']:.1e}" if isinstance(err, dict) else ""
+        parts.append(f"{lib} {ms:.3f} ms{ratio}{err}" if ms else f"{lib} failed")
+    if ours:
+        parts.append(f"ours {row['ns_per_token_head'][OURS]:.3f} ns/th, floor {row['floor_ns']:.3f}")
     return " | ".join(parts)
+
+
+def summary(rows) -> list[str]:
+    """Per mode and peer: geomean and range of peer / ours over the rows both ran."""
+    lines = []
+    peers_ = [lib for lib in rows[0]["ms"] if lib != OURS]
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        for lib in peers_:
+            ratios = [r["ms"][lib] / r["ms"][OURS] for r in rows
+                      if r["mode"] == mode and r["ms"].get(lib) and r["ms"].get(OURS)]
+            if ratios:
+                faster = sum(x > 1 for x in ratios)
+                lines.append(f"{mode}: {lib} / ours geomean {geomean(ratios):.2f} (min {min(ratios):.2f}, "
+                             f"max {max(ratios):.2f}; ours faster on {faster} of {len(ratios)})")
+    return lines
 
 
 def markdown(rows, meta) -> str:
     libs = list(rows[0]["ms"])
-    head = ["(Hqk,Hv)", "lengths"] + [f"{lib} ms" for lib in libs] + \
-           [f"{lib} / ours" for lib in libs if lib != "flash-qla-tl"] + ["ours ns/token-head", "ours / floor"]
+    head = (["(Hqk,Hv)", "lengths", "mode"] + [f"{lib} ms" for lib in libs]
+            + [f"{lib} / ours" for lib in libs if lib != OURS] + ["ours ns/token-head", "ours / floor"]
+            + [f"{lib} host us" for lib in libs] + ["err o / state vs float64: " + ", ".join(libs)]
+            + ([f"{lib} peak GB" for lib in libs] if "peak_gb" in rows[0] else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        ours = r["ms"]["flash-qla-tl"]
-        cells = [f"({r['hqk']},{r['hv']})", r["lengths"]]
+        ours = r["ms"][OURS]
+        cells = [f"({r['hqk']},{r['hv']})", r["lengths"], r["mode"]]
         cells += [f"{r['ms'][lib]:.3f}" if r["ms"][lib] else "failed" for lib in libs]
-        cells += [f"{r['ms'][lib] / ours:.2f}" if r["ms"][lib] else "-" for lib in libs if lib != "flash-qla-tl"]
-        cells += [f"{r['ns_per_token_head']['flash-qla-tl']:.3f}", f"{ours * 1e6 / (r['tokens'] * r['hv']) / r['floor_ns']:.1f}x"]
+        cells += [f"{r['ms'][lib] / ours:.2f}" if r["ms"][lib] and ours else "-" for lib in libs if lib != OURS]
+        ns = r["ns_per_token_head"][OURS]
+        cells += [f"{ns:.3f}", f"{ns / r['floor_ns']:.1f}x"] if ours else ["-", "-"]
+        cells += [f"{r['host_us'][lib]:.0f}" if r["host_us"].get(lib) else "-" for lib in libs]
+        errs = [r.get("err", {}).get(lib) for lib in libs]
+        cells.append(", ".join(f"{e['o']:.1e} / {e['state']:.1e}" if isinstance(e, dict) else "-" for e in errs))
+        if "peak_gb" in r:
+            cells += [f"{r['peak_gb'][lib]:.2f}" if r["peak_gb"].get(lib) is not None else "-" for lib in libs]
         lines.append("| " + " | ".join(cells) + " |")
     stamp = (f"GPU: {meta['gpu']}; date: {meta['date']}; torch {meta['torch']}, tilelang {meta['tilelang']}, "
-             f"fla {meta['fla']}, flash-qla {meta['flash_qla']}; ceilings measured: "
-             f"{meta['ceilings']['bytes_per_s'] / 1e12:.2f} TB/s copy, {meta['ceilings']['flop_per_s'] / 1e12:.0f} TFLOP/s bf16; "
-             f"command: `{meta['command']}`")
-    return stamp + "\n\n" + "\n".join(lines) + "\n"
+             f"fla {meta['fla']} (FLA_FLASH_QLA=0), flash-qla {meta['flash_qla']}; timer: {meta['timer']} "
+             f"({meta['calls_per_graph']} calls per graph, median replay); ceilings measured: "
+             f"{meta['ceilings']['bytes_per_s'] / 1e12:.2f} TB/s copy, {meta['ceilings']['flop_per_s'] / 1e12:.0f} "
+             f"TFLOP/s bf16; command: `{meta['command']}`")
+    return stamp + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"* {line}" for line in summary(rows)) + "\n"
 
 
 def chart(rows, path, meta, title="GDN forward"):
@@ -149,14 +217,14 @@ def chart(rows, path, meta, title="GDN forward"):
     import matplotlib.pyplot as plt
 
     libs = list(rows[0]["ms"])
-    labels = [f"{r['hqk']}/{r['hv']} {r['lengths']}" for r in rows]
+    labels = [f"{r['hqk']}/{r['hv']} {r['lengths']} {r.get('mode', '')}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(10, len(rows) * 0.35), 5))
     width = 0.8 / len(libs)
     for i, lib in enumerate(libs):
         ys = [r["ns_per_token_head"][lib] or 0 for r in rows]
         ax.bar([j + i * width for j in range(len(rows))], ys, width, label=lib)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, rotation=90, fontsize=6)
-    ax.set_ylabel("ns per token-head (lower is better)")
+    ax.set_ylabel("ns per token-head, CUDA-graph replay (lower is better)")
     ax.set_title(f"{title}, {meta['gpu']}, {meta['date']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
@@ -169,9 +237,13 @@ def cli(doc: str, tokens: list | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--quick", action="store_true", help="a few rows only")
     p.add_argument("--heads", help="comma-separated HqkxHv to run (default: the whole grid)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated input modes: normalized, l2norm")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 reference of every row")
     if tokens:
         p.add_argument("--tokens", default=tokens, type=lambda s: [int(x) for x in s.split(",")],
                        help="comma-separated total token counts to run (default: the whole grid's)")
+    else:
+        p.add_argument("--lengths", help="comma-separated lengths (LENxCOUNT, A+B, or a grid name)")
     return p.parse_args()
 
 
@@ -191,16 +263,16 @@ def single_problem(doc: str, heads: str, lengths: str, add_options=None):
         add_options(p)
     args = p.parse_args()
     (hqk, hv), = parse_heads(args.heads, [])
-    length, count = (int(x) for x in args.lengths.split("x"))
-    return args, (hqk, hv), make_problem(hqk, hv, [length] * count)
+    return args, (hqk, hv), make_problem(hqk, hv, parse_lengths(args.lengths))
 
 
 def drive(kind: str, grid: list, run, out: Path):
     """Measure ``grid`` with ``run`` against the peers; write ``<kind>.json/.md/.png`` under ``out``."""
     libs = peers()
     ceilings = measure_ceilings()
-    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-            "command": "python " + " ".join(sys.argv), "ceilings": ceilings, **versions()}
+    meta = {"timer": "cuda-graph", "calls_per_graph": CALLS_PER_GRAPH, "gpu": torch.cuda.get_device_name(),
+            "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
+            "ceilings": ceilings, **versions()}
     print(json.dumps(meta))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -215,10 +287,12 @@ def drive(kind: str, grid: list, run, out: Path):
 
 def main():
     args = cli(__doc__)
-    grid = [(h, item) for h in parse_heads(args.heads, HEADS) for item in LENGTHS.items()]
+    lengths = args.lengths.split(",") if args.lengths else list(LENGTHS)
+    modes = args.modes.split(",")
+    grid = [(h, name, mode) for h in parse_heads(args.heads, HEADS) for name in lengths for mode in modes]
     if args.quick:
-        grid = [g for g in grid if g[0] in ((2, 8), (16, 32)) and g[1][0] in ("1x32768", "4096x8")]
-    drive("forward", grid, run, args.out)
+        grid = [g for g in grid if g[0] in ((2, 8), (16, 32)) and g[1] in ("1x32768", "8192x4")]
+    drive("forward", grid, functools.partial(run, check=not args.no_check), args.out)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
     python benchmarks/compare_plans.py --heads 2x8,4x16,16x32 --lengths 1x32768,16384+16384
 
 For each problem (issue 3's inputs, ``bench_forward.make_problem``) it times our
-forward under every plan (block_v 64 or 32, with or without context
-parallelism), marks the one ``hopper_forward.plan_state_pass`` picks, and times
-fla (``FLA_FLASH_QLA=0``) beside them.  This is how the planner's rule was chosen.
+forward under every plan (block_v 128, 64 or 32, with or without context
+parallelism; CUDA-graph replay, ``timing.graph_ms``), marks the one
+``hopper_forward.plan_state_pass`` picks, and times fla (``FLA_FLASH_QLA=0``)
+beside them.  This is how the planner's rule was chosen.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_forward import LENGTHS, make_problem, parse_heads  # noqa: E402
-from timing import time_ms, versions  # noqa: E402
+from bench_forward import make_problem, parse_heads, parse_lengths  # noqa: E402
+from timing import graph_ms, versions  # noqa: E402
 
 from flash_qla_tl import context_parallel, hopper_forward  # noqa: E402
 
@@ -30,7 +31,7 @@ from flash_qla_tl import context_parallel, hopper_forward  # noqa: E402
 def plans(total: int, num_seqs: int, hv: int, device) -> dict:
     """Every plan worth timing for this shape, by name."""
     out = {}
-    for block_v in (64, 32):
+    for block_v in hopper_forward.BLOCK_WIDTHS:
         programs = (hopper_forward.HEAD_DIM // block_v) * hv * num_seqs
         out[f"{block_v}"] = hopper_forward.StatePassPlan(block_v, None)
         seg = context_parallel.segment_length(total, num_seqs, programs, context_parallel.num_sms(device))
@@ -52,16 +53,16 @@ def main():
     device = torch.device("cuda")
     for hqk, hv in parse_heads(args.heads, []):
         for name in args.lengths.split(","):
-            seqs = LENGTHS[name]
+            seqs = parse_lengths(name)
             x = make_problem(hqk, hv, seqs)
             kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
             chosen = hopper_forward.plan_state_pass(sum(seqs), len(seqs), hv, device)
             row = []
             for label, plan in plans(sum(seqs), len(seqs), hv, device).items():
-                ms = time_ms(lambda: hopper_forward.chunk_forward(**x, **kw, plan=plan))
+                ms = graph_ms(lambda: hopper_forward.chunk_forward(**x, **kw, plan=plan))
                 row.append(f"{label}{'*' if plan == chosen else ''} {ms:.3f}")
             if fla is not None:
-                ms = time_ms(lambda: fla(**x, output_final_state=True, use_qk_l2norm_in_kernel=True))
+                ms = graph_ms(lambda: fla(**x, output_final_state=True, use_qk_l2norm_in_kernel=True))
                 row.append(f"fla {ms:.3f}")
             print(f"({hqk},{hv}) {name:>12}: " + " | ".join(row), flush=True)
 

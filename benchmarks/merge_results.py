@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_forward import chart, markdown  # noqa: E402
 
-STAMP = ("gpu", "date", "torch", "tilelang", "fla", "flash_qla")
+STAMP = ("timer", "gpu", "date", "torch", "tilelang", "fla", "flash_qla")
 
 
 def main():

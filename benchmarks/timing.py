@@ -1,15 +1,88 @@
-"""What every benchmark here shares: CUDA-event timing and the version stamp."""
+"""What every benchmark here shares: the timers and the version stamp.
+
+Kernel time is taken the way FlashQLA's and FlashInfer's published tables are:
+several calls captured in one CUDA graph, the graph replayed, the median replay
+divided by the calls in it (:func:`graph_ms`).  That leaves out the host's work
+per call, which a model with a full GPU queue, or any CUDA-graph runtime (vLLM,
+SGLang, ``torch.compile`` with cudagraphs), never waits for; that host time is
+reported apart, as CPU microseconds of one eager call with the GPU idle
+(:func:`host_us`).  Timing eager calls with events would add the larger of the
+two to the kernels on short inputs, and so would time Python, not kernels.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import statistics
+import time
 
 import torch
 
+CALLS_PER_GRAPH = 5
+
+
+def capture(fn, calls: int = 1, warmup: int = 3):
+    """``(graph, outputs)``: ``calls`` calls of ``fn`` captured in one CUDA graph, and the last call's outputs
+    (the graph's own tensors: every replay rewrites them).
+
+    ``fn`` is warmed up on a side stream first (compilation, autotuning and
+    caches of the host side stay out of the graph); anything it allocates during
+    capture comes from the graph's private pool, freed with the graph.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            outputs = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, outputs
+
+
+def graph_ms(fn, calls: int = CALLS_PER_GRAPH, replays: int = 20) -> float:
+    """GPU milliseconds of one call of ``fn``: ``calls`` calls in one CUDA graph (:func:`capture`), median
+    replay / ``calls``."""
+    graph, outputs = capture(fn, calls)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph, outputs
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_us(fn, reps: int = 20) -> float:
+    """CPU microseconds of one eager call of ``fn`` started with the GPU idle (median of ``reps``).
+
+    What the call costs the host: launches, planning, any synchronisation the
+    call makes itself.  The GPU's work is not waited for after the call returns.
+    """
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
 
 def time_ms(fn, warmup=5, reps=30) -> float:
-    """Median over ``reps`` calls of ``fn``, each timed with CUDA events, after ``warmup`` calls."""
+    """Milliseconds of one eager call, host included: median of ``reps`` calls each between CUDA events.
+
+    For what a user's eager step costs as a whole (``bench_layer.py``), not for kernels.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -22,6 +95,11 @@ def time_ms(fn, warmup=5, reps=30) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return statistics.geometric_mean(values) if values else None
 
 
 def versions() -> dict:

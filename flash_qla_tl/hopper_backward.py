@@ -33,9 +33,10 @@ from .reference import CHUNK
 
 
 def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):
-    """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs."""
+    """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs,
+    and both take the same width, which the reverse pass caps at 64 columns."""
     return hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device,
-                                          context_parallel.num_sms(device) // 2)
+                                          context_parallel.num_sms(device) // 2, widest=64)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,8 +5,8 @@
 1. ``chunk_prep`` (all chunks at once): the gate cumsum and the gate-free chunk
    inverse ``A = A0 diag(beta)``, written as the two GEMM operands the state
    pass needs (``-diag(G) A diag(rk)`` for the keys, ``A o E`` for the values).
-2. ``chunk_forward`` (one program per sequence, value head and block of 32 or
-   64 value columns, :func:`plan_state_pass`): the state pass fused with the
+2. ``chunk_forward`` (one program per sequence, value head and block of 32, 64
+   or 128 value columns, :func:`plan_state_pass`): the state pass fused with the
    value correction and the output; context parallelism on top for a few long
    sequences (``context_parallel.py``).
 
@@ -27,8 +27,8 @@ import torch
 from . import context_parallel, planning, reference
 
 HEAD_DIM = 128
-GAMMA_HEADS_PER_LOAD = 4  # chunk_forward loads the gates of 4 heads per TMA box (16 bytes wide)
 KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+BLOCK_WIDTHS = (32, 64, 128)  # value columns per state-pass program (chunk_forward's block_v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,8 +55,6 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
         return f"the kernels take bf16 or fp16 q/k/v, got {q.dtype}"
     if k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
         return f"the kernels take K = V = {HEAD_DIM}, got K = {k.shape[-1]}, V = {v.shape[-1]}"
-    if v.shape[2] % GAMMA_HEADS_PER_LOAD:
-        return f"the kernels take a multiple of {GAMMA_HEADS_PER_LOAD} value heads, got Hv = {v.shape[2]}"
     if not _tilelang_importable():
         return "tilelang is not installed"
     return None
@@ -77,21 +75,24 @@ class StatePassPlan:
 
 
 def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device,
-                    sms: int | None = None) -> StatePassPlan:
+                    sms: int | None = None, widest: int = 128) -> StatePassPlan:
     """Pick the state pass's grid from shapes alone (no device values are read).
 
-    A program's chunk-to-chunk time is a latency chain that shrinks little with
-    fewer value columns, so where programs of 32 columns still fit one wave they
-    double the parallelism for less time per chunk; where they would need two
-    waves, 64 columns are faster.  Context parallelism (three passes) comes on
-    top where even that leaves most SMs idle.  (H200 measurements of every
-    choice: ``benchmarks/compare_plans.py``, BENCHMARKS.md.)  ``sms``: the SMs the
-    pass has to itself (default all; the backward's two walks run side by side).
+    A program's chunk-to-chunk time is a latency chain that grows little with
+    more value columns, so the widest programs retire the most work per SM; but
+    narrower ones multiply the parallelism, which pays while they still fit one
+    wave.  So: the narrowest width whose programs fit on the SMs at once, else
+    ``widest`` (the backward's reverse pass takes at most 64 columns).  Context
+    parallelism (three passes) comes on top where even that leaves most SMs
+    idle.  (H200 measurements of every choice: ``benchmarks/compare_plans.py``,
+    BENCHMARKS.md.)  ``sms``: the SMs the pass has to itself (default all; the
+    backward's two walks run side by side).
     """
     sms = sms or context_parallel.num_sms(device)
-    programs = (HEAD_DIM // 64) * num_v_heads * num_seqs
-    block_v = 32 if 2 * programs <= sms else 64
-    programs = (HEAD_DIM // block_v) * num_v_heads * num_seqs
+    heads = num_v_heads * num_seqs
+    fitting = [b for b in BLOCK_WIDTHS if b <= widest and (HEAD_DIM // b) * heads <= sms]
+    block_v = fitting[0] if fitting else widest
+    programs = (HEAD_DIM // block_v) * heads
     return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
 
 
@@ -105,7 +106,7 @@ class ChunkOperands:
     q_norm: torch.Tensor  # [T, Hqk padded to 4] fp32 inverse norms, or ones
     k_norm: torch.Tensor
     beta: torch.Tensor  # [T, Hv] fp32
-    gamma: torch.Tensor  # [T, Hv] fp32, chunk-local cumsum of g in log2 units
+    gamma: torch.Tensor  # [T, Hv padded to 4] fp32, chunk-local cumsum of g in log2 units
     a_keys: torch.Tensor  # [T, Hv, 64]
     a_values: torch.Tensor  # [T, Hv, 64]
     a_inverse: torch.Tensor | None  # [T, Hv, 64] A0 (the backward's), else None
@@ -149,7 +150,7 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
         q_norm = k_norm = torch.ones(norm_shape, dtype=torch.float32, device=device)
     g, beta = packed_tokens(g).float(), packed_tokens(beta).float()
 
-    gamma = torch.empty(total, hv, dtype=torch.float32, device=device)
+    gamma = torch.empty(total, padded_heads(hv), dtype=torch.float32, device=device)
     a_keys, a_values = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) for _ in range(2))
     a_inverse = torch.empty(total, hv, 64, dtype=q.dtype, device=device) if store_inverse else None
     prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype, store_inverse)
@@ -214,7 +215,10 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         ht = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
     if torch.cuda.is_current_stream_capturing():
         # Offsets were not checked on the host: keep tokens past cu_seqlens[-1] defined.
-        o.masked_fill_((torch.arange(total, device=device) >= ops.cu_seqlens[-1])[:, None, None], 0)
+        from .kernels.compile import compile_program
+        from .kernels.zero_tail_rows import build_zero_tail_rows
+
+        compile_program(build_zero_tail_rows, hv * vdim, ops.dtype)(ops.cu_seqlens, o.view(total, hv * vdim))
     return o.view(batch, length, hv, vdim), (ht if output_final_state else None)
 
 

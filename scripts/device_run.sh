@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent Hopper GPU: GPU tests, then benchmarks; full logs under $OUT.
-#   bash scripts/device_run.sh [tests|quick|full|cold ...]     (default: tests quick)
+#   bash scripts/device_run.sh [tests|quick|full|sanitize|cold ...]     (default: tests quick)
 # Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf) and optionally a
 # TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
 # (xz: the cache's shared objects would not fit the 64 MiB a device call carries).
@@ -19,6 +19,11 @@ steps=${*:-tests quick}
 for step in $steps; do
   echo "=== $step"
   case $step in
+    precompile) # the GPU tests' programs, compiled side by side (pytest compiles one at a time)
+      for args in "--heads 2x8,1x4,2x4 --all-flags" "--heads 2x8 --dtypes float16 --all-flags" \
+                  "--heads 16x64,16x48,16x32,16x16,8x32,2x2,1x2,2x6,1x1,4x16,8x16,4x8"; do
+        python scripts/precompile.py $args --backward --jobs 15 2>&1 | grep -v INFO | tail -1
+      done ;;
     smoke) timeout 240 python -m pytest -m gpu -q -x tests/test_hopper_forward.py -k "prep or one_chunk" 2>&1 \
              | tail -30 || exit 1 ;;
     cp)    timeout 300 python -m pytest -m gpu -q -s -rf tests -k "context_parallel or segment_scan or long_sequence or training_step" 2>&1 \
@@ -30,8 +35,19 @@ for step in $steps; do
     plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 | grep -v INFO \
              | tee "$OUT/plans.log" | tail -40 ;;
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
-    full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 \
-             | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
+    full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} \
+             ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
+    fwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_forward.py \
+             ${FWD_TESTS_K:+-k "$FWD_TESTS_K"} 2>&1 \
+             | tee "$OUT/gpu-tests-forward.log" | tail -30 ;;
+    kernelcheck) timeout 300 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tee "$OUT/kernelcheck.log" \
+             | tail -20 ;;
+    sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only)
+      for tool in memcheck racecheck synccheck; do
+        timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 python scripts/sanitize_kernels.py ${SANITIZE:-} \
+          > "$OUT/sanitize-$tool.log" 2>&1; echo "$tool: exit $?"
+        grep -v INFO "$OUT/sanitize-$tool.log" | grep -i "error summary\|hazard\|relative\|finite" | head -20
+      done ;;
     bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} \
              ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
@@ -57,12 +73,14 @@ for step in $steps; do
         --section WarpStateStats --section SourceCounters --page source --csv --print-source sass \
         python benchmarks/profile_kernels.py ${NCU_PROBLEM:---heads 16x32 --lengths 32768x1} \
         > "$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
-      python benchmarks/ncu_hotspots.py "$OUT/ncu_source.csv" 45 2>&1 | tee "$OUT/ncu_hotspots.log" | head -50 ;;
+      python benchmarks/ncu_hotspots.py "$OUT/ncu_source.csv" 45 2>&1 | tee "$OUT/ncu_hotspots-${NCU_KERNEL:-chunk_forward}.log" \
+        | head -${NCU_LINES:-50}
+      rm -f "$OUT/ncu_source.csv" ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
     profile)
-      for cfg in "16x32 4096x8" "16x32 32768x1" "2x8 32768x1"; do
-        set -- $cfg
-        python benchmarks/profile_kernels.py --heads "$1" --lengths "$2" 2>&1 | grep -v INFO | tee -a "$OUT/profile.log" | tail -22
+      for cfg in ${FWD_PROFILE:-16x32:4096x8 16x32:32768x1 2x8:32768x1}; do  # HqkxHv:LENxCOUNT ...
+        python benchmarks/profile_kernels.py --heads "${cfg%%:*}" --lengths "${cfg##*:}" 2>&1 | grep -v INFO \
+          | tee -a "$OUT/profile.log" | tail -22
       done ;;
     bwdprofile)
       for cfg in ${BWD_PROFILE:-16x32:8192x1 16x32:32768x1 2x4:8192x1}; do  # HqkxHv:LENxCOUNT ...

@@ -93,7 +93,7 @@ def test_non_contiguous_inputs():
     _check(x, l2norm=True)
 
 
-@pytest.mark.parametrize("hqk,hv", [(16, 64), (16, 32), (8, 16), (4, 8), (2, 4)])
+@pytest.mark.parametrize("hqk,hv", [(16, 64), (16, 32), (8, 16), (4, 8), (2, 4), (2, 2), (1, 2), (2, 6)])
 def test_head_configs(hqk, hv):
     _check(_inputs(seqs=[300, 1, 129], hqk=hqk, hv=hv, initial_state=True), l2norm=True)
 

@@ -16,6 +16,7 @@ from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.qk_input_gradients import build_qk_input_gradients
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass
 from flash_qla_tl.kernels.segment_scan import build_segment_scan
+from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows
 
 
 SMEM_PER_BLOCK = 227 * 1024  # sm_90's largest opt-in dynamic shared memory per block
@@ -25,6 +26,11 @@ def shared_memory_used(source: str) -> int:
     """A lower bound of a kernel's dynamic shared memory: its highest offset into the buffer."""
     offsets = [int(a or b) for a, b in re.findall(r"buf_dyn_shmem\[(\d+)\]|buf_dyn_shmem \+ (\d+)", source)]
     return max(offsets, default=0)
+
+
+def test_zero_tail_rows_compiles():
+    source = compile_program(build_zero_tail_rows, 6 * 128, "bfloat16").get_kernel_source()
+    assert "uint4" in source  # whole rows in 16-byte stores
 
 
 def test_segment_scan_compiles():
@@ -49,14 +55,21 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse):
     (16, 32, "bfloat16", True, True, 64),
     (2, 8, "float16", False, False, 64),
     (2, 8, "bfloat16", True, True, 32),
+    (16, 64, "bfloat16", True, True, 128),
+    (2, 6, "float16", True, True, 128),  # Hv not a multiple of the gates' TMA box of 4 heads
 ])
 def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht, block_v):
     source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht,
                              block_v).get_kernel_source()
     assert "wgmma" in source and "(o + " in source and "q_desc" in source
+    assert shared_memory_used(source) < SMEM_PER_BLOCK
 
 
-@pytest.mark.parametrize("hqk,hv,dtype,has_dht,block_v", [(16, 32, "bfloat16", True, 64), (2, 8, "float16", False, 32)])
+@pytest.mark.parametrize("hqk,hv,dtype,has_dht,block_v", [
+    (16, 32, "bfloat16", True, 64),
+    (2, 8, "float16", False, 32),
+    (2, 6, "bfloat16", True, 64),  # Hv not a multiple of the gates' TMA box of 4 heads
+])
 def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     """The backward's recompute (the forward storing every chunk's entering state, no output) and reverse pass."""
     recompute = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_dht, False, block_v, True, False)
@@ -66,7 +79,7 @@ def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     assert "wgmma" in source and "chunk_state_grads" in source
 
 
-@pytest.mark.parametrize("hqk,hv,dtype", [(16, 32, "bfloat16"), (2, 8, "float16")])
+@pytest.mark.parametrize("hqk,hv,dtype", [(16, 32, "bfloat16"), (2, 6, "float16")])
 def test_chunk_local_gradients_compile(hqk, hv, dtype):
     source = compile_program(build_chunk_local_gradients, hqk, hv, 128, 128, dtype).get_kernel_source()
     assert "wgmma" in source and "dbeta[" in source

@@ -99,6 +99,9 @@ def test_segment_chunk_table_has_the_sequence_chunks_with_segment_slots():
     (4, 1, hopper_forward.StatePassPlan(32, 4096), hopper_forward.StatePassPlan(32, 8192)),
     # Two sequences at 4 heads: the forward splits, the walks (32 programs each) do not.
     (4, 2, hopper_forward.StatePassPlan(32, 4096), hopper_forward.StatePassPlan(32, None)),
+    # Four sequences at 32 heads: 128 programs of 128 columns fill the GPU in one wave, where
+    # narrower ones would take two; the walks stop at 64 columns, the reverse pass's widest.
+    (32, 4, hopper_forward.StatePassPlan(128, None), hopper_forward.StatePassPlan(64, None)),
 ])
 def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeypatch):
     monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)

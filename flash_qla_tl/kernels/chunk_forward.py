@@ -18,8 +18,11 @@ norms of the queries and keys, ``G = exp2(gamma)`` and
 are fp32 scales (see inverse_norms).
 
 U and the per-chunk states never leave the chip, and neither does Kbar (the WY
-``w``): it lives in shared memory for one chunk.  Only the backward's
-recompute (``store_chunk_states``) writes the state entering every chunk (in
+``w``): it lives in shared memory for one chunk.  The state update reads the
+keys already decayed to the chunk end, ``Kd = diag(exp2(gamma_last - gamma) rk)
+K`` (prep rescales the chunk's key tile in place once its own GEMMs have read
+it), so the chain feeds the same bf16 ``U`` to both of its second-round GEMMs.
+Only the backward's recompute (``store_chunk_states``) writes the state entering every chunk (in
 ``dtype``: the local gradients read it as a GEMM operand) to slot ``bos // C + seq + c`` of ``chunk_states`` (chunk ``c`` of sequence ``seq``
 starting at token ``bos``): unique per chunk, from the offsets the kernel already
 reads, so no chunk table is needed; ``T // C + N + 1`` slots cover every chunk.
@@ -32,8 +35,11 @@ it, one chunk ahead:
 * warpgroups 0-1, the chain (256 threads, each holding half of every
   accumulator): the two rounds above, the output, the stores;
 * warpgroup 2, prep: for chunk c + 1, ``Kbar`` and ``P`` (two GEMMs, then P's
-  gates and mask on CUDA cores) and the per-row gate vectors, into a two-stage
-  ring of shared memory;
+  gates and mask on CUDA cores), the per-row gate vectors and ``Kd``.  ``P`` and
+  the gates go to a two-stage ring of shared memory; ``Kbar`` has one slot,
+  which prep fills as soon as the chain's first round of chunk c has read it
+  (the chain's second round of chunk c leaves it the time), so that 128-column
+  programs fit the 227 KB of shared memory;
 * warpgroup 3, the loader: TMA loads of q, k, v, A_keys, A_values, gamma and
   the inverse norms into a two-stage ring, so chunk c + 2 is in flight.
 
@@ -78,8 +84,7 @@ def build_chunk_forward(
     assert dtype in ("bfloat16", "float16"), dtype
     assert C == 64, "one warpgroup GEMM row block per chunk; A is [T, Hv, 64]"
     assert num_v_heads % num_qk_heads == 0 and V % block_v == 0
-    assert num_v_heads % HEADS_PER_BOX == 0, "the gamma TMA box needs Hv % 4 == 0"
-    assert block_v <= 64, "block_v = 128 does not fit the shared memory of two rings"
+    assert block_v in (32, 64, 128), block_v
     group = num_v_heads // num_qk_heads
     accum = "float32"
 
@@ -99,7 +104,7 @@ def build_chunk_forward(
         q_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], accum),
         k_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], accum),
         v: T.Tensor([num_tokens, num_v_heads, V], dtype),
-        gamma: T.Tensor([num_tokens, num_v_heads], accum),
+        gamma: T.Tensor([num_tokens, padded_heads(num_v_heads)], accum),
         A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
         A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),
         cu_seqlens: T.Tensor([num_seqs + 1], "int32"),
@@ -127,8 +132,9 @@ def build_chunk_forward(
             gamma_tile = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             q_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             k_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
-            # Ring of state-independent operands, filled by prep (same stage index).
-            kbar_op = T.alloc_shared([STAGES, C, K], dtype)  # Ak K
+            # State-independent operands, filled by prep: Kbar in one slot, the rest in a
+            # ring (same stage index as the inputs).
+            kbar_op = T.alloc_shared([C, K], dtype)  # Ak K
             p_op = T.alloc_shared([STAGES, C, C], dtype)  # scale (Q K^T) o E
             out_gate = T.alloc_shared([STAGES, C], accum)  # scale exp2(gamma_r) rq_r, 0 past n
             decay_to_end = T.alloc_shared([STAGES, C], accum)  # exp2(gamma_last - gamma_r) rk_r, 0 past n
@@ -137,18 +143,18 @@ def build_chunk_forward(
             loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
             prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
             consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
+            kbar_read = T.alloc_barrier(arrive_count=CHAIN_THREADS)  # completion c: chunk c's Kbar S is done
 
             # The chain's tensor-core operands.
             state_op = T.alloc_shared([K, block_v], dtype)  # S
             u_op = T.alloc_shared([C, block_v], dtype)  # U
-            u_decayed_op = T.alloc_shared([C, block_v], dtype)  # diag(exp2(gamma_last - gamma) rk) U
 
             state = T.alloc_fragment([K, block_v], accum)
             u = T.alloc_fragment([C, block_v], accum)
             out = T.alloc_fragment([C, block_v], accum)
-            u_decayed = T.alloc_fragment([C, block_v], accum)
             kbar = T.alloc_fragment([C, K], accum)
             qk = T.alloc_fragment([C, C], accum)
+            k_decayed = T.alloc_fragment([C, K], dtype)
 
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
@@ -164,26 +170,25 @@ def build_chunk_forward(
                     n = T.min(seqlen - c * C, C)
                     if store_chunk_states:
                         T.copy(state, chunk_states[bos // C + seq + c, hv, :, v0 : v0 + block_v])
-                    T.copy(state, state_op)
                     T.barrier_wait(prepared[st], (c // STAGES) % 2)
 
                     # Round 1: U = Av V + Kbar S (two GEMMs into one accumulator, one
-                    # commit group each) and Q S beside it.
+                    # commit group each) and Q S beside it.  Av V needs no state: it runs
+                    # while the state goes to shared memory.
                     T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
-                    T.wgmma_gemm(kbar_op[st, :, :], state_op, u)
+                    T.copy(state, state_op)
+                    T.wgmma_gemm(kbar_op, state_op, u)
                     if store_output:
                         T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
                         T.wait_wgmma(1)
                     else:
                         T.wait_wgmma(0)
+                    T.barrier_arrive(kbar_read)
 
-                    # U is done (Q S may still run): mask its padded rows, decay it to the
-                    # chunk end for the state update, and decay the state itself.
+                    # U is done (Q S may still run): mask its padded rows, and decay the state.
                     for i, j in T.Parallel(C, block_v):
                         u[i, j] = T.Select(i < n, u[i, j], T.float32(0))
-                        u_decayed[i, j] = T.Select(i < n, decay_to_end[st, i] * u[i, j], T.float32(0))
                     T.copy(u, u_op)
-                    T.copy(u_decayed, u_decayed_op)
                     for d, j in T.Parallel(K, block_v):
                         state[d, j] = state[d, j] * chunk_decay[st]
                     if store_output:
@@ -191,10 +196,10 @@ def build_chunk_forward(
                         for i, j in T.Parallel(C, block_v):
                             out[i, j] = out[i, j] * out_gate[st, i]
 
-                    # Round 2: O += P U;  S += K^T diag(exp2(gamma_last - gamma) rk) U.
+                    # Round 2: O += P U;  S += Kd^T U.
                     if store_output:
                         T.wgmma_gemm(p_op[st, :, :], u_op, out)
-                    T.wgmma_gemm(k_tile[st, :, :], u_decayed_op, state, transpose_A=True)
+                    T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True)
                     T.wait_wgmma(0)
                     # Every read of this stage (both rings) has completed.
                     T.barrier_arrive(consumed[st])
@@ -239,10 +244,18 @@ def build_chunk_forward(
 
                     if store_output:
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
-                    T.copy(kbar, kbar_op[st, :, :])
-                    if store_output:
                         T.copy(qk, p_op[st, :, :])
-                    # The chain reads these (and the zeroed k / v rows) with wgmma, the async proxy.
+                    # Both GEMMs have read the keys: from here on they only feed the
+                    # chain's state update, so decay them to the chunk end (0 past n).
+                    # Read all, then write all: one barrier, not one per row block.
+                    for i, d in T.Parallel(C, K):
+                        k_decayed[i, d] = k_tile[st, i, d] * decay_to_end[st, i]
+                    T.copy(k_decayed, k_tile[st, :, :])
+                    # Kbar's slot is free once the chain's first round of chunk c - 1 is done.
+                    if c > 0:
+                        T.barrier_wait(kbar_read, (c - 1) % 2)
+                    T.copy(kbar, kbar_op)
+                    # The chain reads these (and the zeroed v rows) with wgmma, the async proxy.
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
             else:

@@ -116,7 +116,7 @@ def build_chunk_local_gradients(
         v: T.Tensor([num_tokens, num_v_heads, V], dtype),
         do: T.Tensor([num_tokens, num_v_heads, V], dtype),
         du: T.Tensor([num_tokens, num_v_heads, V], dtype),
-        gamma: T.Tensor([num_tokens, num_v_heads], accum),
+        gamma: T.Tensor([num_tokens, padded_heads(num_v_heads)], accum),
         beta: T.Tensor([num_tokens, num_v_heads], accum),
         A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
         A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),

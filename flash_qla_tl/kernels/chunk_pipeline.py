@@ -16,8 +16,10 @@ from .inverse_norms import HEADS_PER_BOX
 CHAIN_THREADS = 256
 PREP_THREADS = 128
 LOADER_THREADS = 128
-# 128 * (2 * 152 + 160 + 40) = 64512 <= 64K registers per SM.
-CHAIN_REGS, PREP_REGS, LOADER_REGS = 152, 160, 40
+# 128 * (2 * 168 + 152 + 24) = 64K registers per SM.  The chain of a 128-column
+# forward program holds 128 fp32 accumulator values per thread (S, U, O), prep up to
+# 96 (Kbar, Q K^T), the loader only issues TMA; ptxas reports no spills at this split.
+CHAIN_REGS, PREP_REGS, LOADER_REGS = 168, 152, 24
 STAGES = 2
 
 
@@ -25,9 +27,10 @@ def head_columns(hv, group):
     """``(hk, h0, hg, hk0, hkn)`` for value head ``hv``: its q/k head, and where the per-token fp32 values
     of both heads sit in the TMA boxes of HEADS_PER_BOX heads (first head of the box, column in it).
 
-    gamma [T, Hv] and the norms [T, Hqk padded] are fp32: a TMA box must span at
-    least 16 bytes along the head axis, so a chunk loads the values of 4
-    neighbouring heads and picks its own column.
+    gamma [T, Hv padded] and the norms [T, Hqk padded] are fp32, padded to whole
+    boxes (``padded_heads``): a TMA box must span at least 16 bytes along the head
+    axis, so a chunk loads the values of 4 neighbouring heads and picks its own
+    column (the padding columns are loaded, never used).
     """
     hk = hv // group
     return hk, hv - hv % HEADS_PER_BOX, hv % HEADS_PER_BOX, hk - hk % HEADS_PER_BOX, hk % HEADS_PER_BOX

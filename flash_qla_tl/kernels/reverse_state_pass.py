@@ -54,7 +54,6 @@ def build_reverse_state_pass(
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
     assert C == 64 and num_v_heads % num_qk_heads == 0 and V % block_v == 0 and block_v <= 64
-    assert num_v_heads % HEADS_PER_BOX == 0, "the gamma TMA box needs Hv % 4 == 0"
     group = num_v_heads // num_qk_heads
     accum = "float32"
 
@@ -70,7 +69,7 @@ def build_reverse_state_pass(
         q_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], accum),
         k_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], accum),
         do: T.Tensor([num_tokens, num_v_heads, V], dtype),
-        gamma: T.Tensor([num_tokens, num_v_heads], accum),
+        gamma: T.Tensor([num_tokens, padded_heads(num_v_heads)], accum),
         A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
         cu_seqlens: T.Tensor([num_seqs + 1], "int32"),
         final_state_grad: T.Tensor([num_states_in, num_v_heads, K, V], accum),
