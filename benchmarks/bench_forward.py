@@ -171,9 +171,9 @@ def format_row(row) -> str:
 def summary(rows) -> list[str]:
     """Per mode and peer: geomean and range of peer / ours over the rows both ran."""
     lines = []
-    peers_ = [lib for lib in rows[0]["ms"] if lib != OURS]
+    others = [lib for lib in rows[0]["ms"] if lib != OURS]
     for mode in dict.fromkeys(r["mode"] for r in rows):
-        for lib in peers_:
+        for lib in others:
             ratios = [r["ms"][lib] / r["ms"][OURS] for r in rows
                       if r["mode"] == mode and r["ms"].get(lib) and r["ms"].get(OURS)]
             if ratios:
