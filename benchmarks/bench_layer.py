@@ -57,13 +57,17 @@ SLOW_STEP_MS = 250.0
 # ----------------------------------------------------------------------------- worker
 
 
-def build_layer(device: str, dtype: torch.dtype):
+def layer_config():
     from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"], **SHAPE)
+
+
+def build_layer(device: str, dtype: torch.dtype):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    config = Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"], **SHAPE)
     torch.manual_seed(0)
-    return Qwen3_5GatedDeltaNet(config, layer_idx=0).to(device=device, dtype=dtype).train()
+    return Qwen3_5GatedDeltaNet(layer_config(), layer_idx=0).to(device=device, dtype=dtype).train()
 
 
 class _BackwardRange(torch.autograd.Function):

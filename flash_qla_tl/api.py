@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from . import hopper_backward, hopper_forward, reference
+from . import hopper_backward, hopper_forward, hopper_recurrent, reference
 from .chunked_backward import chunked_gated_delta_rule_backward
-from .validation import check_inputs, check_kwargs
+from .validation import check_inplace_state, check_inputs, check_kwargs, check_layer_gates
 
 
 def forward_backend(q, k, v) -> str:
@@ -48,10 +48,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state,
+    forward_fn = staticmethod(chunk_gated_delta_rule_fwd)
+
+    @classmethod
+    def forward(cls, ctx, q, k, v, g, beta, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, cu_seqlens):
-        o, final_state = chunk_gated_delta_rule_fwd(
+        o, final_state = cls.forward_fn(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
         )
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -65,6 +67,12 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
             q, k, v, g, beta, ctx.scale, initial_state, do, dht, ctx.use_qk_l2norm_in_kernel, cu_seqlens
         )
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+
+
+class RecurrentGatedDeltaRule(ChunkGatedDeltaRule):
+    """The token recurrence on Hopper forward; the backward is the chunked one (same function, exactly)."""
+
+    forward_fn = staticmethod(hopper_recurrent.recurrent_forward)
 
 
 def chunk_gated_delta_rule(
@@ -99,14 +107,51 @@ def chunk_gated_delta_rule(
 
 def fused_recurrent_gated_delta_rule(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False,
+    use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, **kwargs,
 ):
     """Token-by-token form for decoding a few tokens from a state; arguments as :func:`chunk_gated_delta_rule`.
 
-    Runs the fp32 recurrence in PyTorch on any device and is differentiable by autograd.
+    On Hopper (bf16/fp16, K = V = 128) one TileLang kernel walks each sequence's
+    tokens with its state in registers (``hopper_recurrent.py``), made for decode
+    steps and speculative verification (up to ~16 tokens per sequence; the
+    chunked form is faster for longer ones).  It reads no device value on the
+    host, so it can be captured in a CUDA graph.  Elsewhere the fp32 recurrence
+    runs in PyTorch.  Differentiable either way (on Hopper the backward is the
+    chunked one).
+
+    Args:
+        inplace_final_state: write the final state into ``initial_state`` itself
+            (contiguous fp32 ``[N, Hv, K, V]``, as a decoding cache holds it)
+            instead of a new tensor; no gradient flows through such a call.  The
+            returned state (with ``output_final_state``) is then ``initial_state``.
+        use_gate_in_kernel, A_log, dt_bias: ``g`` is Qwen3.5's raw gate input
+            ``a``, and the log decay is ``-exp(A_log) * softplus(a + dt_bias)``
+            (``A_log``, ``dt_bias``: ``[Hv]``), in fp32 (FLA's names and meaning).
+        use_beta_sigmoid_in_kernel: ``beta`` is the raw ``b``; ``sigmoid(b)`` is used.
     """
     check_kwargs(kwargs)
     check_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    return reference.recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
-    )
+    check_layer_gates(v, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    inputs = (q, k, v, g, beta, initial_state) + ((A_log, dt_bias) if use_gate_in_kernel else ())
+    if inplace_final_state:
+        check_inplace_state(initial_state, inputs)
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    if forward_backend(q, k, v) == "hopper" and not needs_grad:
+        gates = hopper_recurrent.LayerGates(A_log if use_gate_in_kernel else None,
+                                            dt_bias if use_gate_in_kernel else None, use_beta_sigmoid_in_kernel)
+        o, final_state = hopper_recurrent.recurrent_forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            final_state=initial_state if inplace_final_state else None, gates=gates)
+        return o, final_state if output_final_state else None
+    g, beta = reference.layer_gates(g, beta, A_log if use_gate_in_kernel else None, dt_bias,
+                                    use_beta_sigmoid_in_kernel)
+    if forward_backend(q, k, v) == "hopper":
+        return RecurrentGatedDeltaRule.apply(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    o, final_state = reference.recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale, initial_state, output_final_state or inplace_final_state,
+        use_qk_l2norm_in_kernel, cu_seqlens)
+    if inplace_final_state:
+        final_state = initial_state.copy_(final_state)
+    return o, final_state if output_final_state else None

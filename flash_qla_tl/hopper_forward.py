@@ -45,19 +45,24 @@ def _tilelang_importable() -> bool:
     return True
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the Hopper kernels cannot run these inputs, or None when they can."""
-    if not q.is_cuda:
+def device_unsupported_reason(x: torch.Tensor) -> str | None:
+    """Why no Hopper kernel runs on ``x``'s device and dtype (bf16 / fp16), or None."""
+    if not x.is_cuda:
         return "inputs are not on a CUDA device"
-    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+    if not _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return "the GPU is not sm_90 (Hopper)"
-    if q.dtype not in KERNEL_DTYPES:
-        return f"the kernels take bf16 or fp16 q/k/v, got {q.dtype}"
-    if k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
-        return f"the kernels take K = V = {HEAD_DIM}, got K = {k.shape[-1]}, V = {v.shape[-1]}"
+    if x.dtype not in KERNEL_DTYPES:
+        return f"the kernels take bf16 or fp16 q/k/v, got {x.dtype}"
     if not _tilelang_importable():
         return "tilelang is not installed"
     return None
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the Hopper kernels cannot run these inputs, or None when they can."""
+    if k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return f"the kernels take K = V = {HEAD_DIM}, got K = {k.shape[-1]}, V = {v.shape[-1]}"
+    return device_unsupported_reason(q)
 
 
 def packed_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -90,10 +95,16 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
     """
     sms = sms or context_parallel.num_sms(device)
     heads = num_v_heads * num_seqs
-    fitting = [b for b in BLOCK_WIDTHS if b <= widest and (HEAD_DIM // b) * heads <= sms]
-    block_v = fitting[0] if fitting else widest
+    block_v = one_wave_width([b for b in BLOCK_WIDTHS if b <= widest], heads, sms)
     programs = (HEAD_DIM // block_v) * heads
     return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
+
+
+def one_wave_width(widths, heads: int, sms: int) -> int:
+    """The narrowest of ``widths`` (value columns per program, ascending) whose programs for ``heads``
+    (sequence, value head) pairs all fit on ``sms`` SMs at once, else the widest."""
+    fitting = [b for b in widths if (HEAD_DIM // b) * heads <= sms]
+    return fitting[0] if fitting else widths[-1]
 
 
 @dataclasses.dataclass

@@ -7,7 +7,8 @@ Two forms of one operator (DESIGN.md sections 1 and 2), per sequence and value h
 
 * :func:`recurrent_gated_delta_rule` walks token by token.  In float64 it is the
   ground truth for every test, and it is differentiable by autograd.  In float32
-  it is the decoding path (a few tokens from a state).
+  it is the decoding path where the Hopper kernel does not run (a few tokens
+  from a state).
 * :func:`chunked_gated_delta_rule` is the chunked form with chunk 64: all chunks
   of all sequences are solved at once, and only the state is carried through a
   short loop over chunk positions.  It is the CPU path; its operands
@@ -36,6 +37,16 @@ def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim, as ``use_qk_l2norm_in_kernel`` defines it."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def layer_gates(g, beta, A_log=None, dt_bias=None, beta_sigmoid=False):
+    """Qwen3.5's gates from the layer's raw inputs, in fp32: ``g = -exp(A_log) softplus(g + dt_bias)`` when
+    ``A_log`` is given, ``beta = sigmoid(beta)`` with ``beta_sigmoid``; otherwise g and beta as they are."""
+    if A_log is not None:
+        g = -A_log.float().exp() * torch.nn.functional.softplus(g.float() + dt_bias.float())
+    if beta_sigmoid:
+        beta = beta.float().sigmoid()
+    return g, beta
 
 
 def sequence_bounds(batch: int, length: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:

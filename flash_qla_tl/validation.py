@@ -139,3 +139,33 @@ def _check_cu_seqlens(cu_seqlens, batch, length) -> int:
     if any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError("cu_seqlens must be non-decreasing")
     return len(offsets) - 1
+
+
+def check_inplace_state(initial_state, inputs) -> None:
+    """``inplace_final_state`` needs a state tensor the kernel can write, and no gradient through it."""
+    if initial_state is None:
+        raise ValueError("inplace_final_state=True needs initial_state: the final state is written into it")
+    if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+        raise ValueError("inplace_final_state=True needs initial_state contiguous float32, got "
+                         f"{initial_state.dtype}{'' if initial_state.is_contiguous() else ', not contiguous'}")
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        raise ValueError("inplace_final_state=True overwrites initial_state, which the backward needs: "
+                         "call it without gradients (torch.no_grad()) or with inplace_final_state=False")
+
+
+def check_layer_gates(v, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel) -> None:
+    """The Qwen3.5 gate options: flags are bools, and the gate needs ``A_log`` and ``dt_bias`` of shape [Hv]."""
+    for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
+                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if not use_gate_in_kernel:
+        return
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is None:
+            raise ValueError(f"use_gate_in_kernel=True needs {name} (one value per value head, [Hv])")
+        _tensor(name, x, 1, "[Hv]")
+        _floating(name, x)
+        if x.shape[0] != v.shape[2] or x.device != v.device:
+            raise ValueError(f"{name} must have shape [Hv] = [{v.shape[2]}] on {v.device}, "
+                             f"got {tuple(x.shape)} on {x.device}")

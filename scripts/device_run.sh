@@ -22,8 +22,19 @@ for step in $steps; do
     precompile) # the GPU tests' programs, compiled side by side (pytest compiles one at a time)
       for args in "--heads 2x8,1x4,2x4 --all-flags" "--heads 2x8 --dtypes float16 --all-flags" \
                   "--heads 16x64,16x48,16x32,16x16,8x32,2x2,1x2,2x6,1x1,4x16,8x16,4x8"; do
-        python scripts/precompile.py $args --backward --jobs 15 2>&1 | grep -v INFO | tail -1
+        python scripts/precompile.py $args --kernels forward,backward --jobs 15 2>&1 | grep -v INFO | tail -1
       done ;;
+    decode) # the decoding kernel: its programs side by side, its GPU tests, then bench_decode.py
+      python scripts/precompile.py --heads 16x32,16x64,2x8 --kernels decode --jobs 15 2>&1 | grep -v INFO | tail -1
+      python scripts/precompile.py --heads 2x4 --all-flags --jobs 15 2>&1 | grep -v INFO | tail -1  # the tiny models
+      timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_recurrent.py \
+        tests/test_hopper_layer.py tests/test_hub.py -k "recurrent or generate or kernelize or conv or norm" 2>&1 \
+        | tee "$OUT/gpu-tests-decode.log" | tail -30
+      python benchmarks/bench_decode.py --out "$OUT/bench" ${DECODE_ARGS:-} 2>&1 | grep -v INFO \
+        | tee "$OUT/decode.log" | tail -90 ;;
+    decodewidths) # the recurrence at every value-block width on small batches (the planner's choice)
+      python benchmarks/bench_decode.py --out "$OUT/widths" --batches 1,8,32,128 --heads 16x32,2x8 --steps 1,4 \
+        --modes l2norm --compare-widths --no-layer --no-check 2>&1 | grep "widths" | tee "$OUT/decode-widths.log" ;;
     smoke) timeout 240 python -m pytest -m gpu -q -x tests/test_hopper_forward.py -k "prep or one_chunk" 2>&1 \
              | tail -30 || exit 1 ;;
     cp)    timeout 300 python -m pytest -m gpu -q -s -rf tests -k "context_parallel or segment_scan or long_sequence or training_step" 2>&1 \

@@ -1,7 +1,8 @@
 """Fill TileLang's disk cache (``TILELANG_CACHE_DIR``) with the kernels, no GPU needed.
 
     python scripts/precompile.py                          # the Qwen3.5 head configs, bf16, state in and out
-    python scripts/precompile.py --heads 16x32 --dtypes float16 --all-flags --backward --jobs 8
+    python scripts/precompile.py --heads 16x32 --dtypes float16 --all-flags --kernels forward,backward --jobs 8
+    python scripts/precompile.py --heads 16x32,16x64,2x8 --kernels decode --jobs 8
 
 The cache is keyed by the program, the target (sm_90a) and the TileLang version,
 so a cache filled here is reused on a Hopper machine with the same tilelang:
@@ -18,12 +19,16 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step  # noqa: E402
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients  # noqa: E402
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep  # noqa: E402
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
+from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
 from flash_qla_tl.kernels.qk_input_gradients import build_qk_input_gradients  # noqa: E402
+from flash_qla_tl.kernels.recurrent_step import BLOCK_WIDTHS as DECODE_WIDTHS  # noqa: E402
+from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step  # noqa: E402
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass  # noqa: E402
 from flash_qla_tl.kernels.segment_scan import build_segment_scan  # noqa: E402
 from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows  # noqa: E402
@@ -32,18 +37,33 @@ QWEN_HEADS = "2x8,4x16,8x32,16x64,16x32,16x48,16x16,32x32"
 BACKWARD_WIDTHS = (64, 32)  # the reverse pass takes at most 64 columns
 
 
-def programs(hqk, hv, dtype, widths, all_flags, backward):
+def programs(hqk, hv, dtype, widths, all_flags, kernels):
     """Every (factory, config) one head config needs, as the launchers ask for them."""
-    out = [(build_inverse_norms, (hqk, 128, dtype)), (build_chunk_prep, (hqk, hv, 128, dtype, False)),
-           (build_zero_tail_rows, (hv * 128, dtype))]
     flags = list(itertools.product([True, False], repeat=2)) if all_flags else [(True, True)]
+    out = []
+    if "decode" in kernels:
+        # g and beta as Transformers passes them (fp32, bf16) and both fp32; the layer's step (gates in kernel)
+        gates = [("float32", "bfloat16", False), ("float32", "float32", False), (dtype, dtype, True)]
+        out += [(build_recurrent_step, (RecurrentStepConfig(
+                    hqk, hv, dtype, g, beta, b, l2norm, h0, ht, varlen, gate_in_kernel=in_kernel,
+                    beta_sigmoid_in_kernel=in_kernel),))
+                for (g, beta, in_kernel), b, l2norm, (h0, ht), varlen in itertools.product(
+                    gates, DECODE_WIDTHS, [True, False], flags, [False, True])
+                if not in_kernel or (l2norm and not varlen)]
+        # the layer's conv step and gated RMSNorm
+        out += [(build_causal_conv_step, ((2 * hqk + hv) * 128, 4, dtype, dtype, True, True)),
+                (build_gated_rms_norm, (128, dtype, dtype))]
+    if "forward" not in kernels and "backward" not in kernels:
+        return out
+    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_chunk_prep, (hqk, hv, 128, dtype, False)),
+            (build_zero_tail_rows, (hv * 128, dtype))]
     out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b))
             for (h0, ht), b in itertools.product(flags, widths)]
     if all_flags:  # context parallelism's scan and its first two passes (states only)
         out.append((build_segment_scan, (hv, 128, 128)))
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, True, b, False, False))
                 for h0, b in itertools.product([True, False], widths)]
-    if backward:
+    if "backward" in kernels:
         out += [(build_chunk_prep, (hqk, hv, 128, dtype, True)),
                 (build_chunk_local_gradients, (hqk, hv, 128, 128, dtype))]
         out += [(build_qk_input_gradients, (hqk, hv, 128, dtype, l2norm)) for l2norm in (True, False)]
@@ -66,13 +86,13 @@ def main():
     p.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16, float16")
     p.add_argument("--all-flags", action="store_true", help="every (initial state, final state) pair, not just both on")
     p.add_argument("--block-v", default="128,64,32", help="comma-separated value-block widths of the state pass")
-    p.add_argument("--backward", action="store_true", help="also the backward's kernels")
+    p.add_argument("--kernels", default="forward", help="comma-separated: forward, backward, decode")
     p.add_argument("--jobs", type=int, default=1, help="compiling processes")
     args = p.parse_args()
     heads = [tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")]
     widths = [int(b) for b in args.block_v.split(",")]
     tasks = list(dict.fromkeys(t for (hqk, hv), dtype in itertools.product(heads, args.dtypes.split(","))
-                               for t in programs(hqk, hv, dtype, widths, args.all_flags, args.backward)))
+                               for t in programs(hqk, hv, dtype, widths, args.all_flags, args.kernels.split(","))))
     print(f"cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')}; {len(tasks)} programs", flush=True)
     start = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:

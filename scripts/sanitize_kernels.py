@@ -6,7 +6,10 @@ Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:
 the forward under every state-pass plan (each value-block width, and context
 parallelism with its segment scan), then forward + backward through autograd
-(the recompute, the reverse walk, the local and q/k gradient kernels).  The
+(the recompute, the reverse walk, the local and q/k gradient kernels); then
+the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
+its state once in a new tensor and once updated in place; and the layer's
+conv step and gated RMSNorm (``hopper_layer.py``).  The
 outputs are checked against the PyTorch reference, so a sanitizer run that
 disturbs the kernels' timing also shows whether the results moved.
 """
@@ -22,17 +25,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import make_inputs, rel_rms  # noqa: E402
 
 import flash_qla_tl as fq  # noqa: E402
-from flash_qla_tl import hopper_forward, reference  # noqa: E402
+from flash_qla_tl import hopper_forward, hopper_layer, hopper_recurrent, reference  # noqa: E402
+from flash_qla_tl.kernels.recurrent_step import BLOCK_WIDTHS as DECODE_WIDTHS  # noqa: E402
 
 SEQS = [1, 64, 0, 635, 300]
+DECODE_SEQS = [1, 0, 16, 3, 0, 7]
 TOL = 5e-3
+
+
+def check_decode(hqk, hv):
+    x = make_inputs(seqs=DECODE_SEQS, hqk=hqk, hv=hv, kdim=128, vdim=128, dtype=torch.bfloat16, device="cuda",
+                    initial_state=True)
+    ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+    o_ref, s_ref = reference.recurrent_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for block_v in DECODE_WIDTHS:
+        for in_place in (False, True):
+            state = x["initial_state"].clone()
+            o, s = hopper_recurrent.recurrent_forward(**dict(x, initial_state=state), scale=None,
+                                                      output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                      final_state=state if in_place else None, block_v=block_v)
+            errors = rel_rms(o, o_ref), rel_rms(s, s_ref)
+            print(f"({hqk},{hv}) decode block_v {block_v}{' in place' if in_place else ''}: "
+                  f"relative RMS o {errors[0]:.2e}, state {errors[1]:.2e}", flush=True)
+            assert max(errors) <= TOL, errors
+
+
+def check_layer_glue():
+    """The layer's conv step (1000 channels: a partial last program) and gated RMSNorm (33 rows)."""
+    x = torch.randn(3, 1, 1000, device="cuda").bfloat16().transpose(1, 2)
+    state, weight, bias = (torch.randn(3, 1000, 4, device="cuda").bfloat16(),
+                           torch.randn(1000, 4, device="cuda").bfloat16(), torch.randn(1000, device="cuda").bfloat16())
+    window = torch.cat([state, x], -1).double()[..., 1:]
+    want = torch.nn.functional.silu((window * weight.double()).sum(-1, keepdim=True) + bias.double()[:, None])
+    y = hopper_layer.causal_conv1d_step(x, state, weight, bias, "silu")
+    print(f"conv step: relative RMS {rel_rms(y, want):.2e}, state moved {torch.equal(state.double(), window)}")
+    assert rel_rms(y, want) <= TOL and torch.equal(state.double(), window)
+    rows, gates = (torch.randn(33, 128, device="cuda").bfloat16() for _ in range(2))
+    norm_weight = torch.randn(128, device="cuda").bfloat16()
+    want = rows.double() * torch.rsqrt(rows.double().square().mean(-1, keepdim=True) + 1e-6) * norm_weight.double()
+    want = want * torch.nn.functional.silu(gates.double())
+    y = hopper_layer.gated_rms_norm(rows, gates, norm_weight, 1e-6)
+    print(f"gated RMSNorm: relative RMS {rel_rms(y, want):.2e}")
+    assert rel_rms(y, want) <= TOL
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--forward-only", action="store_true", help="the forward kernels only")
+    p.add_argument("--decode-only", action="store_true", help="the decoding kernels only")
     args = p.parse_args()
+    if not args.forward_only:
+        check_layer_glue()
     for hqk, hv in ((2, 8), (2, 6)):
+        if not args.forward_only:
+            check_decode(hqk, hv)
+        if args.decode_only:
+            continue
         x = make_inputs(seqs=SEQS, hqk=hqk, hv=hv, kdim=128, vdim=128, dtype=torch.bfloat16, device="cuda",
                         initial_state=True)
         ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}

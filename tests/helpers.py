@@ -1,7 +1,16 @@
 """Random problems and error measures shared by the tests."""
 
+import pytest
 import torch
 import torch.nn.functional as F
+
+# The marks of a test that runs the Hopper kernels (``pytestmark = HOPPER``).
+HOPPER = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="needs an sm_90 GPU"),
+]
+HOPPER_DIM = 128  # K = V of the kernels
 
 
 def rel_rms(x, ref):
@@ -34,3 +43,10 @@ def make_inputs(batch=1, length=130, hqk=2, hv=4, kdim=32, vdim=32, dtype=torch.
     if initial_state:
         out["initial_state"] = rnd(n_state, hv, kdim, vdim).to(torch.float64 if dtype == torch.float64 else torch.float32)
     return {n: x.to(device) for n, x in out.items()}
+
+
+def hopper_inputs(dtype=torch.bfloat16, **kw):
+    """:func:`make_inputs` at K = V = 128 on the GPU: (2, 8) heads and keys with |k| near 1, not normalised,
+    unless ``kw`` says otherwise."""
+    kw = {"key_scale": HOPPER_DIM ** -0.5, "hqk": 2, "hv": 8, **kw}
+    return make_inputs(kdim=HOPPER_DIM, vdim=HOPPER_DIM, dtype=dtype, device="cuda", **kw)

@@ -15,7 +15,55 @@ def test_signature_is_fla_compatible():
         "(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
         "use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs)"
     )
-    assert inspect.signature(fq.fused_recurrent_gated_delta_rule) == inspect.signature(fq.chunk_gated_delta_rule)
+    # FLA's arguments, plus one of ours (FLA's own fused recurrent has no in-place update)
+    assert str(inspect.signature(fq.fused_recurrent_gated_delta_rule)) == (
+        "(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False, use_gate_in_kernel=False, "
+        "A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, **kwargs)"
+    )
+
+
+def test_gates_from_the_layer_inputs():
+    x = make_inputs(seqs=[3, 0, 9], hqk=1, hv=2, initial_state=True, dtype=torch.float32)
+    A_log, dt_bias, a, b = torch.randn(2), torch.randn(2), torch.randn(1, 12, 2) * 8, torch.randn(1, 12, 2)
+    o, s = fq.fused_recurrent_gated_delta_rule(**dict(x, g=a, beta=b), output_final_state=True,
+                                               use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                               use_beta_sigmoid_in_kernel=True)
+    g = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)  # as Transformers' Qwen3.5 layer
+    want = fq.fused_recurrent_gated_delta_rule(**dict(x, g=g, beta=b.sigmoid()), output_final_state=True)
+    assert rel_rms(o, want[0]) < 1e-6 and rel_rms(s, want[1]) < 1e-6
+
+
+@pytest.mark.parametrize("options,error", [
+    (dict(use_gate_in_kernel=True, dt_bias=torch.zeros(4)), "needs A_log"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(3), dt_bias=torch.zeros(4)), r"A_log must have shape \[Hv\]"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(4), dt_bias=torch.zeros(4, 1)), "dt_bias must have 1 dims"),
+    (dict(use_beta_sigmoid_in_kernel=1), "use_beta_sigmoid_in_kernel must be a bool"),
+])
+def test_gate_option_errors(options, error):
+    x = make_inputs(length=5, dtype=torch.float32)
+    with pytest.raises((ValueError, TypeError), match=error):
+        fq.fused_recurrent_gated_delta_rule(**x, **options)
+
+
+def test_inplace_final_state_writes_the_initial_state():
+    x = make_inputs(seqs=[3, 0, 9], hqk=1, hv=2, initial_state=True, dtype=torch.float32)
+    h0 = x["initial_state"]
+    _, want = fq.fused_recurrent_gated_delta_rule(**{**x, "initial_state": h0.clone()}, output_final_state=True)
+    o, got = fq.fused_recurrent_gated_delta_rule(**x, output_final_state=True, inplace_final_state=True)
+    assert got is h0 and torch.equal(h0, want)
+    assert fq.fused_recurrent_gated_delta_rule(**x, inplace_final_state=True)[1] is None
+
+
+def test_inplace_final_state_errors():
+    x = make_inputs(length=5, initial_state=True, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs initial_state"):
+        fq.fused_recurrent_gated_delta_rule(**{**x, "initial_state": None}, inplace_final_state=True)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        fq.fused_recurrent_gated_delta_rule(**{**x, "initial_state": x["initial_state"].double()},
+                                            inplace_final_state=True)
+    with pytest.raises(ValueError, match="without gradients"):
+        fq.fused_recurrent_gated_delta_rule(**{**x, "q": x["q"].requires_grad_()}, inplace_final_state=True)
 
 
 @pytest.mark.parametrize("fn", [fq.chunk_gated_delta_rule, fq.fused_recurrent_gated_delta_rule])

@@ -11,24 +11,16 @@ import torch
 
 import flash_qla_tl as fq
 from flash_qla_tl import chunked_backward, hopper_backward, hopper_forward, reference
-from helpers import make_inputs, rel_rms
+from helpers import HOPPER, hopper_inputs, make_inputs, rel_rms
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                       reason="needs an sm_90 GPU"),
-]
+pytestmark = HOPPER
 
 D = 128
 TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
 DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-def _inputs(dtype=torch.bfloat16, **kw):
-    kw.setdefault("key_scale", D ** -0.5)
-    kw.setdefault("hqk", 2)
-    kw.setdefault("hv", 8)
-    return make_inputs(kdim=D, vdim=D, dtype=dtype, device="cuda", **kw)
+_inputs = hopper_inputs
 
 
 def _output_grads(x, seed=1):

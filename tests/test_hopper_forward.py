@@ -11,23 +11,15 @@ import torch
 
 import flash_qla_tl as fq
 from flash_qla_tl import planning, reference
-from helpers import make_inputs, rel_rms
+from helpers import HOPPER, hopper_inputs, make_inputs, rel_rms
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                       reason="needs an sm_90 GPU"),
-]
+pytestmark = HOPPER
 
 TOL = 5e-3
 D = 128
 
 
-def _inputs(dtype=torch.bfloat16, **kw):
-    kw.setdefault("key_scale", D ** -0.5)  # |k| near 1 but not normalised
-    kw.setdefault("hqk", 2)
-    kw.setdefault("hv", 8)
-    return make_inputs(kdim=D, vdim=D, dtype=dtype, device="cuda", **kw)
+_inputs = hopper_inputs
 
 
 def _check(x, l2norm=False, scale=None, output_final_state=True):

@@ -190,6 +190,11 @@ def test_ops_pass_opcheck(flash_qla):
         qkvgb = [grad(x[n]) for n in ("q", "k", "v", "g", "beta")]
         torch.library.opcheck(op, (*qkvgb, None, grad(x["initial_state"]), True, True, x["cu_seqlens"]))
         torch.library.opcheck(op, (*qkvgb, 0.3, None, False, False, None))
+    qkvgb = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    inplace = ops._recurrent_inplace_op
+    torch.library.opcheck(inplace, (*qkvgb, None, x["initial_state"].clone(), True, x["cu_seqlens"], None, None, False))
+    torch.library.opcheck(inplace, (*qkvgb, 0.3, x["initial_state"][:1].clone(), False, None, torch.randn(4),
+                                    torch.randn(4), True))
 
 
 def test_ops_compile_without_graph_breaks(flash_qla):
@@ -258,6 +263,20 @@ def check_kernelize_matches(flash_qla, model, input_ids, tolerance, monkeypatch)
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_kernelize_swaps_every_gdn_layer_and_matches_the_model(flash_qla, moe, monkeypatch):
     check_kernelize_matches(flash_qla, tiny_model(moe=moe), random_ids(), 1e-5, monkeypatch)
+
+
+def check_greedy_generate_matches(flash_qla, model, input_ids):
+    """Greedy decoding of the kernelized model gives the unpatched model's tokens."""
+    generate = lambda m: m.generate(input_ids, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                    pad_token_id=0)
+    want = generate(model)
+    got = generate(flash_qla.kernelize_qwen3_5(model))
+    assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_greedy_generate_gives_the_model_tokens(flash_qla, moe):
+    check_greedy_generate_matches(flash_qla, tiny_model(moe=moe), random_ids(length=20))
 
 
 def test_function_hooks_match_transformers_operators(flash_qla):
@@ -353,6 +372,14 @@ def test_trainer_steps_run_on_the_kernelized_model(flash_qla, tmp_path, monkeypa
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 sm90 = pytest.mark.skipif(not SM90, reason="flash-qla's TileLang kernels are built for sm_90a")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpu_greedy_generate_gives_the_model_tokens(flash_qla, moe):
+    model = tiny_model(moe=moe, head_dim=128, device="cuda", dtype=torch.bfloat16)
+    check_greedy_generate_matches(flash_qla, model, random_ids(length=20, device="cuda"))
 
 
 @pytest.mark.gpu

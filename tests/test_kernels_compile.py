@@ -8,12 +8,15 @@ import re
 
 import pytest
 
+from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.compile import compile_program
+from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.qk_input_gradients import build_qk_input_gradients
+from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass
 from flash_qla_tl.kernels.segment_scan import build_segment_scan
 from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows
@@ -31,6 +34,36 @@ def shared_memory_used(source: str) -> int:
 def test_zero_tail_rows_compiles():
     source = compile_program(build_zero_tail_rows, 6 * 128, "bfloat16").get_kernel_source()
     assert "uint4" in source  # whole rows in 16-byte stores
+
+
+@pytest.mark.parametrize("config", [
+    RecurrentStepConfig(16, 32, "bfloat16", "float32", "bfloat16", 16, True, True, True, varlen=False),
+    RecurrentStepConfig(2, 6, "float16", "float16", "float32", 32, False, False, True, varlen=True),
+    # the Qwen3.5 layer's decode step: gates from a, b, A_log, dt_bias
+    RecurrentStepConfig(16, 64, "bfloat16", "bfloat16", "bfloat16", 64, True, True, False, varlen=False,
+                        gate_in_kernel=True, beta_sigmoid_in_kernel=True),
+], ids=["dense", "varlen", "layer-gates"])
+def test_recurrent_step_compiles(config):
+    source = compile_program(build_recurrent_step, config).get_kernel_source()
+    # Every sum over K stays within the lanes of one warp that share a column group: no barrier.
+    assert "__syncthreads" not in source
+    assert f"tl::AllReduce<tl::SumOp, {4 * 128 // config.block_v}, 1," in source
+    assert "float4" in source  # the state moves in 16-byte vectors
+    assert ("cu_seqlens" in source) == config.varlen  # a dense batch reads no offsets
+    assert ("log1pf" in source) == config.gate_in_kernel
+
+
+@pytest.mark.parametrize("channels,dtype,has_bias,silu", [(8192, "bfloat16", True, True), (1000, "float16", False, False)])
+def test_causal_conv_step_compiles(channels, dtype, has_bias, silu):
+    source = compile_program(build_causal_conv_step, channels, 4, dtype, dtype, has_bias, silu).get_kernel_source()
+    assert "__syncthreads" not in source  # a thread owns its channel's window
+    assert ("expf" in source) == silu
+
+
+@pytest.mark.parametrize("dim,dtype,weight_dtype", [(128, "bfloat16", "bfloat16"), (64, "float16", "float32")])
+def test_gated_rms_norm_compiles(dim, dtype, weight_dtype):
+    source = compile_program(build_gated_rms_norm, dim, dtype, weight_dtype).get_kernel_source()
+    assert "__syncthreads" not in source  # a row's sum of squares stays in one warp
 
 
 def test_segment_scan_compiles():

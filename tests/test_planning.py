@@ -107,3 +107,16 @@ def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeyp
     monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
     assert hopper_forward.plan_state_pass(32768, seqs, heads, None) == forward
     assert hopper_backward.plan_walks(32768, seqs, heads, None) == walks
+
+
+@pytest.mark.parametrize("seqs, heads, block_v", [
+    (1, 8, 16),  # 64 programs of 16 columns fit the SMs at once
+    (1, 32, 32),  # 128 programs of 32 (256 of 16 would queue)
+    (8, 8, 64),
+    (256, 32, 64),  # bound by the state's bytes: the widest programs
+])
+def test_decode_width_is_planned_for_one_wave(seqs, heads, block_v, monkeypatch):
+    from flash_qla_tl import hopper_recurrent
+
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
+    assert hopper_recurrent.plan_block_v(seqs, heads, None) == block_v

@@ -1,14 +1,21 @@
-"""Depthwise causal convolution of the Qwen3.5 GatedDeltaNet layer, in plain PyTorch.
+"""Depthwise causal convolution of the Qwen3.5 GatedDeltaNet layer.
 
 Same arithmetic as Transformers' `causal_conv1d_fn` / `causal_conv1d_update`
 torch paths (inputs cast to the weight's dtype, result cast back), plus
 packed sequences: with `cu_seqlens` no tap reads across a sequence boundary.
+The decoding update runs as one Hopper kernel where it can (fp32 inside, one
+rounding: the PyTorch path rounds the conv output once more before SiLU).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+from ._ops import add_op_namespace_prefix
+from .flash_qla_tl.hopper_layer import causal_conv1d_step, conv_step_unsupported_reason
 
 _ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
 
@@ -49,11 +56,27 @@ def _packed_causal_conv1d(x, weight, bias, cu_seqlens):
     return out
 
 
+@torch.library.custom_op(add_op_namespace_prefix("causal_conv1d_step"), mutates_args=("conv_state",))
+def _conv_step_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  activation: Optional[str]) -> torch.Tensor:
+    return causal_conv1d_step(x, conv_state, weight, bias, activation)
+
+
+@_conv_step_op.register_fake
+def _(x, conv_state, weight, bias, activation):
+    return x.new_empty(x.shape[0], x.shape[1], 1)
+
+
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     """Cached decoding: conv of the new tokens `x` [B, C, T] after the cached window `conv_state` [B, C, S].
 
-    Updates `conv_state` in place to the last S inputs, as Transformers does.
+    Updates `conv_state` in place to the last S inputs, as Transformers does.  One
+    token per sequence on Hopper (bf16/fp16, the state of x's dtype, S = W) is one
+    kernel (`flash_qla_tl.hopper_layer`); everything else runs in PyTorch.
     """
+    _activate(x[..., :0], activation)  # an unknown activation is an error on every path
+    if conv_step_unsupported_reason(x, conv_state, weight, activation) is None:
+        return _conv_step_op(x, conv_state, weight, bias, activation)
     length = x.shape[-1]
     window = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
     conv_state.copy_(window[..., -conv_state.shape[-1]:])

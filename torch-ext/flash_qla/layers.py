@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .conv import causal_conv1d, causal_conv1d_update
+from .norm import gated_rms_norm
 from .ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
@@ -92,6 +93,11 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     op.  Grouped value heads go to the ops as they are (no
     `repeat_interleave` of q and k), and packed sequences (`cu_seq_lens_q`)
     stay apart in the convolution as well as in the recurrence.
+
+    Generation (a cached single-token step without gradients) on Hopper is three
+    kernels between the projections: the conv step (state in place), the
+    recurrence with the gates computed from `a`, `b` (state in place), and the
+    gated RMSNorm, which also serves prefill without gradients.
     """
 
     has_backward = True
@@ -130,21 +136,35 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         query = query.reshape(batch_size, seq_len, -1, self.head_k_dim)
         key = key.reshape(batch_size, seq_len, -1, self.head_k_dim)
         value = value.reshape(batch_size, seq_len, -1, self.head_v_dim)
-        beta = b.sigmoid()
-        # fp32: in fp16, exp(A_log) could overflow
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
         decoding = recurrent_state is not None and seq_len == 1
-        gated_delta_rule = fused_recurrent_gated_delta_rule if decoding else chunk_gated_delta_rule
-        core_attn_out, last_recurrent_state = gated_delta_rule(
-            query, key, value, g, beta,
-            initial_state=recurrent_state,
-            output_final_state=cache_params is not None,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens,
-        )
+        if decoding and not torch.is_grad_enabled() and recurrent_state.dtype == torch.float32 \
+                and recurrent_state.is_contiguous():
+            # Generation: one kernel computes the gates from a and b, runs the step and
+            # updates the cache's fp32 state in place (the cache's copy into it is then a no-op).
+            core_attn_out, last_recurrent_state = fused_recurrent_gated_delta_rule(
+                query, key, value, a, b,
+                initial_state=recurrent_state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                inplace_final_state=True,
+                use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                use_beta_sigmoid_in_kernel=True,
+            )
+        else:
+            beta = b.sigmoid()
+            # fp32: in fp16, exp(A_log) could overflow
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            gated_delta_rule = fused_recurrent_gated_delta_rule if decoding else chunk_gated_delta_rule
+            core_attn_out, last_recurrent_state = gated_delta_rule(
+                query, key, value, g, beta,
+                initial_state=recurrent_state,
+                output_final_state=cache_params is not None,
+                use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu_seqlens,
+            )
         if cache_params is not None:
             cache_params.update_recurrent_state(last_recurrent_state, self.layer_idx)
 
-        core_attn_out = self.norm(core_attn_out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        core_attn_out = gated_rms_norm(self.norm, core_attn_out.reshape(-1, self.head_v_dim),
+                                       z.reshape(-1, self.head_v_dim))
         return self.out_proj(core_attn_out.reshape(batch_size, seq_len, -1))

@@ -21,8 +21,8 @@ from .flash_qla_tl import (
     chunk_gated_delta_rule_fwd,
 )
 from .flash_qla_tl import fused_recurrent_gated_delta_rule as _recurrent_forward
-from .flash_qla_tl.reference import compute_dtype_for
-from .flash_qla_tl.validation import check_inputs, check_kwargs
+from .flash_qla_tl.reference import compute_dtype_for, layer_gates
+from .flash_qla_tl.validation import check_inplace_state, check_inputs, check_kwargs, check_layer_gates
 
 
 def _absent_like(x: Tensor) -> Tensor:
@@ -125,6 +125,35 @@ _chunk_op = _register("chunk_gated_delta_rule", _chunk_forward)
 _recurrent_op = _register("fused_recurrent_gated_delta_rule", _recurrent_forward)
 
 
+@torch.library.custom_op(add_op_namespace_prefix("fused_recurrent_gated_delta_rule_inplace"), mutates_args=("state",))
+def _recurrent_inplace_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    state: Tensor,
+    use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: Optional[Tensor],
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    use_beta_sigmoid_in_kernel: bool,
+) -> Tensor:
+    """Decoding with the cache's state updated in place (no autograd: the state is overwritten);
+    with `A_log` (and `dt_bias`), g and beta are the layer's raw gate inputs (see the public function)."""
+    o, _ = _recurrent_forward(q, k, v, g, beta, scale, state, False, use_qk_l2norm_in_kernel, cu_seqlens,
+                              inplace_final_state=True, use_gate_in_kernel=A_log is not None, A_log=A_log,
+                              dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+    return o.contiguous()
+
+
+@_recurrent_inplace_op.register_fake
+def _(q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens, A_log, dt_bias,
+      use_beta_sigmoid_in_kernel):
+    return v.new_empty(v.shape)
+
+
 def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, kwargs):
     check_kwargs(kwargs)
     o, final_state = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
@@ -147,8 +176,24 @@ def chunk_gated_delta_rule(
 
 def fused_recurrent_gated_delta_rule(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False,
+    use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, **kwargs,
 ):
-    """Token-by-token form for decoding from a state; arguments and results as `chunk_gated_delta_rule`."""
+    """Token-by-token form for decoding from a state; arguments and results as `chunk_gated_delta_rule`.
+
+    The options after `cu_seqlens` are `flash_qla_tl.fused_recurrent_gated_delta_rule`'s:
+    `inplace_final_state=True` writes the final state into `initial_state` (contiguous
+    float32; no gradients); `use_gate_in_kernel` (with `A_log`, `dt_bias`) and
+    `use_beta_sigmoid_in_kernel` take Qwen3.5's raw gate inputs as g and beta.
+    """
+    check_layer_gates(v, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    if inplace_final_state:
+        check_kwargs(kwargs)
+        check_inplace_state(initial_state, (q, k, v, g, beta, initial_state, A_log, dt_bias))
+        o = _recurrent_inplace_op(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                  A_log if use_gate_in_kernel else None, dt_bias if use_gate_in_kernel else None,
+                                  use_beta_sigmoid_in_kernel)
+        return o, initial_state if output_final_state else None
+    g, beta = layer_gates(g, beta, A_log if use_gate_in_kernel else None, dt_bias, use_beta_sigmoid_in_kernel)
     return _call(_recurrent_op, q, k, v, g, beta, scale, initial_state, output_final_state,
                  use_qk_l2norm_in_kernel, cu_seqlens, kwargs)

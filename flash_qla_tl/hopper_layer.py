@@ -1,0 +1,81 @@
+"""Launchers for the Qwen3.5 layer's glue around the operator, at inference: one kernel each.
+
+* ``kernels/causal_conv_step.py``, the convolution's decoding step: replaces
+  the PyTorch update (concatenate the cached window and the new input, copy the
+  window back, a grouped conv1d, SiLU: five launches) with one pass over the
+  state, updated in place;
+* ``kernels/gated_rms_norm.py``, the gated RMSNorm after the operator:
+  replaces nine elementwise launches with one.
+
+Neither has a backward: the layer uses them where no gradient is asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hopper_forward import KERNEL_DTYPES, device_unsupported_reason, placeholder
+from .hopper_recurrent import GATE_DTYPES
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def conv_step_unsupported_reason(x, conv_state, weight, activation) -> str | None:
+    """Why the kernel cannot run this step, or None: ``x [B, C, 1]``, ``conv_state [B, C, W]`` in x's dtype and
+    contiguous, ``weight [C, W]``."""
+    reason = device_unsupported_reason(x)
+    if reason is not None:
+        return reason
+    if x.dim() != 3 or x.shape[-1] != 1:
+        return f"one new token per sequence ([B, C, 1]), got x of shape {tuple(x.shape)}"
+    if conv_state.dtype != x.dtype or not conv_state.is_contiguous():
+        return "the conv state must be contiguous and of x's dtype"
+    if tuple(conv_state.shape) != (x.shape[0], x.shape[1], weight.shape[-1]):
+        return f"the conv state must be [B, C, W], got {tuple(conv_state.shape)} for a kernel of {weight.shape[-1]}"
+    if weight.dtype not in GATE_DTYPES or activation not in ACTIVATIONS:
+        return f"weight dtype {weight.dtype} or activation {activation!r} not covered"
+    return None
+
+
+def causal_conv1d_step(x, conv_state, weight, bias=None, activation=None) -> torch.Tensor:
+    """``act(conv(window))`` of the new token ``x [B, C, 1]``; ``conv_state`` (the last W inputs) updated in place.
+
+    Inputs as :func:`conv_step_unsupported_reason` accepts them.  Returns ``[B, C, 1]`` in x's dtype.
+    """
+    from .kernels.causal_conv_step import build_causal_conv_step
+    from .kernels.compile import compile_program
+
+    batch, channels, _ = x.shape
+    width = weight.shape[-1]
+    y = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y.unsqueeze(-1)
+    kernel = compile_program(build_causal_conv_step, channels, width, KERNEL_DTYPES[x.dtype],
+                             GATE_DTYPES[weight.dtype], bias is not None, activation is not None)
+    no_bias = placeholder((channels,), weight.dtype, x.device)
+    kernel(x[..., 0], conv_state, weight.contiguous(), no_bias if bias is None else bias.to(weight.dtype), y)
+    return y.unsqueeze(-1)
+
+
+def norm_unsupported_reason(x, z, weight) -> str | None:
+    """Why the gated RMSNorm kernel cannot run on rows ``x``, gates ``z`` ``[N, D]`` and ``weight [D]``, or None."""
+    reason = device_unsupported_reason(x)
+    if reason is not None:
+        return reason
+    if x.dim() != 2 or z.shape != x.shape or weight.shape != x.shape[1:] or x.shape[1] not in (64, 128):
+        return f"rows of 64 or 128 values with gates of their shape, got {tuple(x.shape)}, {tuple(z.shape)}"
+    if z.dtype != x.dtype or weight.dtype not in GATE_DTYPES or x.stride(1) != 1 or z.stride(1) != 1:
+        return "gates of x's dtype and rows with unit strides"
+    return None
+
+
+def gated_rms_norm(x, z, weight, eps) -> torch.Tensor:
+    """``weight * rmsnorm(x) * silu(z)`` row by row, rounded as Transformers' ``Qwen3_5RMSNormGated`` rounds."""
+    from .kernels.compile import compile_program
+    from .kernels.gated_rms_norm import build_gated_rms_norm
+
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        kernel = compile_program(build_gated_rms_norm, x.shape[1], KERNEL_DTYPES[x.dtype], GATE_DTYPES[weight.dtype])
+        kernel(x, z, weight.contiguous(), float(eps), y)
+    return y

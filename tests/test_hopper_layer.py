@@ -1,0 +1,64 @@
+"""The Qwen3.5 layer's glue kernels (conv step, gated RMSNorm) against the PyTorch they replace."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_qla_tl.hopper_layer import (
+    causal_conv1d_step, conv_step_unsupported_reason, gated_rms_norm, norm_unsupported_reason,
+)
+from helpers import HOPPER, rel_rms
+
+pytestmark = HOPPER
+
+
+def torch_step(x, conv_state, weight, bias, activation):
+    """Transformers' PyTorch update in float64: window, conv, SiLU; the state keeps the last W inputs."""
+    window = torch.cat([conv_state, x], dim=-1).double()
+    out = (window[..., 1:] * weight.double()).sum(-1, keepdim=True) + (0 if bias is None else bias.double()[:, None])
+    return (F.silu(out) if activation else out), window[..., 1:]
+
+
+@pytest.mark.parametrize("batch,channels,dtype,has_bias,activation", [
+    (1, 8192, torch.bfloat16, True, "silu"),  # Qwen3.5-9B: 2 * 16 * 128 + 32 * 128 channels
+    (65, 1000, torch.float16, False, None),  # channels not a multiple of a program's 128
+])
+def test_conv_step_matches_the_update(batch, channels, dtype, has_bias, activation):
+    gen = torch.Generator("cuda").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    # x as the layer passes it: a [B, C, 1] view of the projection's [B, 1, C] output
+    x = rnd(batch, 1, channels).to(dtype).transpose(1, 2)
+    conv_state = rnd(batch, channels, 4).to(dtype)
+    weight, bias = rnd(channels, 4).to(dtype), rnd(channels).to(dtype) if has_bias else None
+    assert conv_step_unsupported_reason(x, conv_state, weight, activation) is None
+    want_y, want_state = torch_step(x, conv_state, weight, bias, activation)
+    y = causal_conv1d_step(x, conv_state, weight, bias, activation)
+    assert y.shape == (batch, channels, 1) and y.dtype == dtype
+    assert rel_rms(y, want_y) < 4e-3
+    assert torch.equal(conv_state, want_state.to(dtype))  # the window, moved exactly
+
+
+def test_conv_step_declines_what_it_does_not_cover():
+    x = torch.randn(2, 64, 3, device="cuda").bfloat16()
+    assert "one new token" in conv_step_unsupported_reason(x, torch.zeros(2, 64, 4, device="cuda").bfloat16(),
+                                                           torch.zeros(64, 4, device="cuda"), "silu")
+    x = x[..., :1]
+    assert "contiguous" in conv_step_unsupported_reason(x, torch.zeros(2, 64, 4, device="cuda"),
+                                                        torch.zeros(64, 4, device="cuda"), "silu")
+
+
+@pytest.mark.parametrize("rows,dtype", [(32, torch.bfloat16), (8193, torch.float16)])
+def test_gated_rms_norm_matches_the_module(rows, dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    norm = Qwen3_5RMSNormGated(128, eps=1e-6).to("cuda", dtype)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+    # rows and gates as the layer passes them: views of [B, T, Hv * 128] tensors
+    x = torch.randn(rows, 3 * 128, device="cuda", dtype=dtype)[:, 128:256]
+    z = torch.randn(rows, 128, device="cuda", dtype=dtype) * 3
+    assert norm_unsupported_reason(x, z, norm.weight) is None
+    with torch.no_grad():
+        want = norm(x, z)
+    got = gated_rms_norm(x, z, norm.weight, norm.variance_epsilon)
+    assert got.dtype == dtype and rel_rms(got, want) < 2e-3
+    assert (got == want).float().mean() > 0.95  # the module's roundings, not just its value
