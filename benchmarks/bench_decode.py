@@ -164,7 +164,7 @@ def summary(rows) -> list[str]:
     return lines
 
 
-def markdown(rows, layer_rows, meta) -> str:
+def markdown(rows, layer_rows, meta, generated=()) -> str:
     libs = list(rows[0]["ms"]) if rows else []
     head = (["B", "(Hqk,Hv)", "T", "mode"] + [f"{lib} us" for lib in libs]
             + [f"fla / {lib}" for lib in libs if lib != FLA] + ["state floor us"]
@@ -195,6 +195,11 @@ def markdown(rows, layer_rows, meta) -> str:
         for r in layer_rows:
             text += (f"| {r['batch']} | " + " | ".join(f"{u:.1f}" if u else "failed" for u in r["us"].values())
                      + f" | {r['max_abs_diff']} |\n")
+    if generated:
+        text += (f"\nGreedy `generate`, batch 1, eager ({generated[0]['model']}, random weights, 16-token prompt, "
+                 f"{generated[0]['new_tokens']} new tokens; same tokens in both columns: "
+                 f"{generated[0]['same_tokens']}):\n\n| column | tokens/s |\n|---|---|\n")
+        text += "".join(f"| {r['column']} | {r['tokens_per_s']:.1f} |\n" for r in generated)
     return text
 
 
@@ -241,6 +246,42 @@ def layer_step_rows(batches) -> list[dict]:
     return rows
 
 
+def generate_rows(new_tokens=128) -> list[dict]:
+    """Greedy ``generate`` of a small random-weight Qwen3.5 (8 layers, 6 of them GDN at (16, 32) heads), batch 1,
+    eager as ``generate`` runs by default: tokens per second without and with ``kernelize``."""
+    import time
+
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from bench_layer import SHAPE, load_hub
+
+    config = Qwen3_5TextConfig(**{**SHAPE, "hidden_size": 2048}, num_hidden_layers=8, vocab_size=32000,
+                               intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4, head_dim=128)
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    prompt = torch.randint(1, config.vocab_size, (1, 16), device="cuda")
+
+    def run(steps):
+        return model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+
+    rows, outs = [], {}
+    for name in ("transformers+fla", OURS):
+        if name == OURS:
+            load_hub().kernelize_qwen3_5(model)
+        run(8)  # compile and warm up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs[name] = run(new_tokens)
+        torch.cuda.synchronize()
+        rows.append({"model": "8 layers, hidden 2048, GDN (16,32)x128", "column": name, "new_tokens": new_tokens,
+                     "tokens_per_s": new_tokens / (time.perf_counter() - start)})
+        print(rows[-1], flush=True)
+    same = torch.equal(outs[OURS], outs["transformers+fla"])
+    for row in rows:
+        row["same_tokens"] = same
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -253,6 +294,7 @@ def main():
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--compare-widths", action="store_true", help="also time ours at every value-block width")
     p.add_argument("--no-operator", action="store_true", help="the layer rows only")
+    p.add_argument("--generate", action="store_true", help="also greedy generate's tokens per second")
     args = p.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]
     grid = [(b, h, t, m) for h in parse_heads(args.heads, HEADS) for b in ints(args.batches)
@@ -264,18 +306,22 @@ def main():
             "ceilings": ceilings, **versions()}
     print(json.dumps(meta))
     args.out.mkdir(parents=True, exist_ok=True)
-    layer_rows = []
+    layer_rows, generated = [], []
 
     def save(rows):
-        (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows, "layer": layer_rows}, indent=1))
-        (args.out / "decode.md").write_text(markdown(rows, layer_rows, meta))
+        (args.out / "decode.json").write_text(json.dumps(
+            {"meta": meta, "rows": rows, "layer": layer_rows, "generate": generated}, indent=1))
+        (args.out / "decode.md").write_text(markdown(rows, layer_rows, meta, generated))
 
     rows = [] if args.no_operator else run_operator(grid, peers(), ceilings, save, check=not args.no_check,
                                                     compare_widths=args.compare_widths)
     if not args.no_layer:
         layer_rows.extend(layer_step_rows(ints(args.layer_batches)))
         save(rows)
-    print(markdown(rows, layer_rows, meta))
+    if args.generate:
+        generated.extend(generate_rows())
+        save(rows)
+    print(markdown(rows, layer_rows, meta, generated))
 
 
 if __name__ == "__main__":

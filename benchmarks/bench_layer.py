@@ -111,19 +111,26 @@ def mark_operator(module, name: str) -> dict:
     return state
 
 
+def load_hub():
+    """This package as users get it: built by ``scripts/build_hub.py``, loaded by ``kernels.get_kernel``."""
+    from kernels import get_kernel
+
+    build = Path(tempfile.mkdtemp(prefix="flash-qla-hub-"))
+    subprocess.run([sys.executable, ROOT / "scripts" / "build_hub.py", "--out", build], check=True)
+    # A CPU-only torch rejects the torch-cuda variant when resolving a repository:
+    # there LOCAL_KERNELS names the variant directory itself.
+    local = build if torch.version.cuda else build / "build" / "torch-cuda"
+    os.environ["LOCAL_KERNELS"] = f"qwen/flash-qla={local}"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return get_kernel("qwen/flash-qla", version=1)
+
+
 def load_variant(variant: str, layer):
     """Patch ``layer`` as the column says; return the module whose operator the layer calls, and its name."""
     if variant == "flash-qla-tl":
-        from kernels import Mode, get_kernel
+        from kernels import Mode
 
-        build = Path(tempfile.mkdtemp(prefix="flash-qla-hub-"))
-        subprocess.run([sys.executable, ROOT / "scripts" / "build_hub.py", "--out", build], check=True)
-        # A CPU-only torch rejects the torch-cuda variant when resolving a repository:
-        # there LOCAL_KERNELS names the variant directory itself.
-        local = build if torch.version.cuda else build / "build" / "torch-cuda"
-        os.environ["LOCAL_KERNELS"] = f"qwen/flash-qla={local}"
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        flash_qla = get_kernel("qwen/flash-qla", version=1)
+        flash_qla = load_hub()
         flash_qla.kernelize_qwen3_5(layer, mode=Mode.TRAINING)
         if layer.forward.__func__ is not flash_qla.layers.Qwen3_5GatedDeltaNet.forward:
             raise RuntimeError("kernelize did not swap the layer (is this an sm_90 GPU?)")
