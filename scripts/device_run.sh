@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent Hopper GPU: GPU tests, then benchmarks; full logs under $OUT.
-#   bash scripts/device_run.sh [tests|quick|full|sanitize|cold ...]     (default: tests quick)
+#   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|cold ...]     (default: tests quick)
 # Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf) and optionally a
 # TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
 # (xz: the cache's shared objects would not fit the 64 MiB a device call carries).
