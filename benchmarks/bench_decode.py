@@ -222,11 +222,7 @@ def layer_step_rows(batches) -> list[dict]:
         gen = torch.Generator("cuda").manual_seed(batch)
         prompt = torch.randn(batch, 64, config.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
         token = torch.randn(batch, 1, config.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
-        from transformers.models.qwen3_5 import modeling_qwen3_5
-
-        conv = modeling_qwen3_5.causal_conv1d_update
-        row = {"batch": batch, "us": {}, "max_abs_diff": None,
-               "transformers_conv_update": getattr(conv, "__module__", type(conv).__module__)}
+        row = {"batch": batch, "us": {}, "max_abs_diff": None}
         outs = {}
         for name, layer in (("transformers+fla", stock), (OURS, ours)):
             try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import re
@@ -111,6 +112,7 @@ def mark_operator(module, name: str) -> dict:
     return state
 
 
+@functools.cache
 def load_hub():
     """This package as users get it: built by ``scripts/build_hub.py``, loaded by ``kernels.get_kernel``."""
     from kernels import get_kernel

@@ -6,6 +6,7 @@ from .api import (
     chunk_gated_delta_rule_bwd,
     chunk_gated_delta_rule_fwd,
     fused_recurrent_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_fwd,
 )
 
 __version__ = "0.1.0"
@@ -15,5 +16,6 @@ __all__ = [
     "chunk_gated_delta_rule_fwd",
     "chunk_gated_delta_rule_bwd",
     "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule_fwd",
     "forward_backend",
 ]

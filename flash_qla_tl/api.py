@@ -3,8 +3,11 @@
 ``chunk_gated_delta_rule`` is the entry point for prefill and training.  It
 validates, then runs :class:`ChunkGatedDeltaRule`, whose forward and backward
 are the low-level :func:`chunk_gated_delta_rule_fwd` /
-:func:`chunk_gated_delta_rule_bwd`.  Those two are the only places that choose
-an implementation, so a new kernel is a local change.
+:func:`chunk_gated_delta_rule_bwd`.  ``fused_recurrent_gated_delta_rule``
+(decoding) runs :func:`fused_recurrent_gated_delta_rule_fwd`, and for
+gradients :class:`RecurrentGatedDeltaRule`, whose backward is the chunked one.
+Those three are the only places that choose an implementation, so a new kernel
+is a local change.
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ import torch
 
 from . import hopper_backward, hopper_forward, hopper_recurrent, reference
 from .chunked_backward import chunked_gated_delta_rule_backward
-from .validation import check_inplace_state, check_inputs, check_kwargs, check_layer_gates
+from .validation import check_inplace_state, check_inputs, check_kwargs, check_layer_gates, requires_grad
 
 
 def forward_backend(q, k, v) -> str:
     """``"hopper"`` when the TileLang kernels run the forward for such inputs, else ``"reference"``.
 
     The kernels cover CUDA tensors on sm_90 with bf16/fp16 q/k/v and K = V = 128;
-    everything else runs the chunked PyTorch reference on the inputs' device.
+    everything else runs a PyTorch form (chunked, or for the recurrent entry
+    point the token recurrence) on the inputs' device.
     """
     return "hopper" if hopper_forward.unsupported_reason(q, k, v) is None else "reference"
 
@@ -45,6 +49,27 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
     backward = (hopper_backward.chunk_backward if forward_backend(q, k, v) == "hopper"
                 else chunked_gated_delta_rule_backward)
     return backward(q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, final_state=None,
+                                         A_log=None, dt_bias=None, beta_sigmoid=False):
+    """Token recurrence on validated inputs, without autograd: ``(o, final_state or None)``.
+
+    ``final_state``: the tensor that receives the final state (it may be
+    ``initial_state``: the update in place); the state is returned when it is
+    given or asked for.  ``A_log`` (with ``dt_bias``) and ``beta_sigmoid``: g and
+    beta are Qwen3.5's raw gate inputs (``reference.layer_gates``).
+    """
+    if forward_backend(q, k, v) == "hopper":
+        return hopper_recurrent.recurrent_forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            final_state=final_state, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=beta_sigmoid)
+    g, beta = reference.layer_gates(g, beta, A_log, dt_bias, beta_sigmoid)
+    o, state = reference.recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale, initial_state, output_final_state or final_state is not None,
+        use_qk_l2norm_in_kernel, cu_seqlens)
+    return o, state if final_state is None else final_state.copy_(state)
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
@@ -72,7 +97,7 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
 class RecurrentGatedDeltaRule(ChunkGatedDeltaRule):
     """The token recurrence on Hopper forward; the backward is the chunked one (same function, exactly)."""
 
-    forward_fn = staticmethod(hopper_recurrent.recurrent_forward)
+    forward_fn = staticmethod(fused_recurrent_gated_delta_rule_fwd)
 
 
 def chunk_gated_delta_rule(
@@ -133,25 +158,20 @@ def fused_recurrent_gated_delta_rule(
     check_kwargs(kwargs)
     check_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     check_layer_gates(v, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
-    inputs = (q, k, v, g, beta, initial_state) + ((A_log, dt_bias) if use_gate_in_kernel else ())
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    needs_grad = requires_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     if inplace_final_state:
-        check_inplace_state(initial_state, inputs)
-    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if forward_backend(q, k, v) == "hopper" and not needs_grad:
-        gates = hopper_recurrent.LayerGates(A_log if use_gate_in_kernel else None,
-                                            dt_bias if use_gate_in_kernel else None, use_beta_sigmoid_in_kernel)
-        o, final_state = hopper_recurrent.recurrent_forward(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            final_state=initial_state if inplace_final_state else None, gates=gates)
-        return o, final_state if output_final_state else None
-    g, beta = reference.layer_gates(g, beta, A_log if use_gate_in_kernel else None, dt_bias,
-                                    use_beta_sigmoid_in_kernel)
-    if forward_backend(q, k, v) == "hopper":
-        return RecurrentGatedDeltaRule.apply(
+        check_inplace_state(initial_state, needs_grad)
+    if needs_grad:  # gates in PyTorch, so that autograd sees them; then the recurrence with a backward
+        g, beta = reference.layer_gates(g, beta, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+        if forward_backend(q, k, v) == "hopper":
+            return RecurrentGatedDeltaRule.apply(
+                q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+        return reference.recurrent_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    o, final_state = reference.recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale, initial_state, output_final_state or inplace_final_state,
-        use_qk_l2norm_in_kernel, cu_seqlens)
-    if inplace_final_state:
-        final_state = initial_state.copy_(final_state)
+    o, final_state = fused_recurrent_gated_delta_rule_fwd(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+        final_state=initial_state if inplace_final_state else None, A_log=A_log, dt_bias=dt_bias,
+        beta_sigmoid=use_beta_sigmoid_in_kernel)
     return o, final_state if output_final_state else None

@@ -28,6 +28,8 @@ from . import context_parallel, planning, reference
 
 HEAD_DIM = 128
 KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# fp32 too: the dtypes in which a kernel reads a small operand as it is (gates, parameters).
+OPERAND_DTYPES = {torch.float32: "float32", **KERNEL_DTYPES}
 BLOCK_WIDTHS = (32, 64, 128)  # value columns per state-pass program (chunk_forward's block_v)
 
 
@@ -224,13 +226,23 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         run = lambda values, start, last: state_pass(ops, values, seg_cu, start, not last, o if last else None,
                                                      plan.block_v)
         ht = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
-    if torch.cuda.is_current_stream_capturing():
-        # Offsets were not checked on the host: keep tokens past cu_seqlens[-1] defined.
-        from .kernels.compile import compile_program
-        from .kernels.zero_tail_rows import build_zero_tail_rows
-
-        compile_program(build_zero_tail_rows, hv * vdim, ops.dtype)(ops.cu_seqlens, o.view(total, hv * vdim))
+    zero_rows_past_last_sequence(o, ops.cu_seqlens)
     return o.view(batch, length, hv, vdim), (ht if output_final_state else None)
+
+
+def zero_rows_past_last_sequence(out: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """Under CUDA-graph capture, zeros for the rows of ``out [T, ...]`` past ``cu_seqlens[-1]`` (int32).
+
+    Outside capture the offsets were checked on the host to end at T; during capture
+    they were not, and a graph runtime may pad the token axis: no kernel writes those rows.
+    """
+    if not torch.cuda.is_current_stream_capturing():
+        return
+    from .kernels.compile import compile_program
+    from .kernels.zero_tail_rows import build_zero_tail_rows
+
+    rows = out.view(out.shape[0], -1)
+    compile_program(build_zero_tail_rows, rows.shape[1], KERNEL_DTYPES[out.dtype])(cu_seqlens, rows)
 
 
 @functools.lru_cache(maxsize=None)

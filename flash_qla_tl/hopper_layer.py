@@ -2,10 +2,11 @@
 
 * ``kernels/causal_conv_step.py``, the convolution's decoding step: replaces
   the PyTorch update (concatenate the cached window and the new input, copy the
-  window back, a grouped conv1d, SiLU: five launches) with one pass over the
-  state, updated in place;
+  window back, a grouped conv1d, SiLU: four launches in torch.profiler's trace of
+  Transformers' layer, BENCHMARKS.md "Decode") with one pass over the state,
+  updated in place;
 * ``kernels/gated_rms_norm.py``, the gated RMSNorm after the operator:
-  replaces nine elementwise launches with one.
+  replaces the module's dozen elementwise launches (same trace) with one.
 
 Neither has a backward: the layer uses them where no gradient is asked for.
 """
@@ -14,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from .hopper_forward import HEAD_DIM as NORM_DIM
 from .hopper_forward import KERNEL_DTYPES, device_unsupported_reason, placeholder
-from .hopper_recurrent import GATE_DTYPES
 
 ACTIVATIONS = (None, "silu", "swish")
 
 
-def conv_step_unsupported_reason(x, conv_state, weight, activation) -> str | None:
-    """Why the kernel cannot run this step, or None: ``x [B, C, 1]``, ``conv_state [B, C, W]`` in x's dtype and
-    contiguous, ``weight [C, W]``."""
+def conv_step_unsupported_reason(x, conv_state, weight, bias, activation) -> str | None:
+    """Why the kernel cannot run this step, or None: ``x [B, C, 1]``, ``conv_state [B, C, W]`` contiguous,
+    ``weight [C, W]`` and ``bias [C]`` (or None), all in x's dtype."""
     reason = device_unsupported_reason(x)
     if reason is not None:
         return reason
@@ -32,8 +33,8 @@ def conv_step_unsupported_reason(x, conv_state, weight, activation) -> str | Non
         return "the conv state must be contiguous and of x's dtype"
     if tuple(conv_state.shape) != (x.shape[0], x.shape[1], weight.shape[-1]):
         return f"the conv state must be [B, C, W], got {tuple(conv_state.shape)} for a kernel of {weight.shape[-1]}"
-    if weight.dtype not in GATE_DTYPES or activation not in ACTIVATIONS:
-        return f"weight dtype {weight.dtype} or activation {activation!r} not covered"
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or activation not in ACTIVATIONS:
+        return f"weight and bias of x's dtype and an activation of {ACTIVATIONS}, got {weight.dtype}, {activation!r}"
     return None
 
 
@@ -50,10 +51,10 @@ def causal_conv1d_step(x, conv_state, weight, bias=None, activation=None) -> tor
     y = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     if batch == 0:
         return y.unsqueeze(-1)
-    kernel = compile_program(build_causal_conv_step, channels, width, KERNEL_DTYPES[x.dtype],
-                             GATE_DTYPES[weight.dtype], bias is not None, activation is not None)
-    no_bias = placeholder((channels,), weight.dtype, x.device)
-    kernel(x[..., 0], conv_state, weight.contiguous(), no_bias if bias is None else bias.to(weight.dtype), y)
+    kernel = compile_program(build_causal_conv_step, channels, width, KERNEL_DTYPES[x.dtype], bias is not None,
+                             activation is not None)
+    no_bias = placeholder((channels,), x.dtype, x.device)
+    kernel(x[..., 0], conv_state, weight.contiguous(), no_bias if bias is None else bias, y)
     return y.unsqueeze(-1)
 
 
@@ -62,10 +63,10 @@ def norm_unsupported_reason(x, z, weight) -> str | None:
     reason = device_unsupported_reason(x)
     if reason is not None:
         return reason
-    if x.dim() != 2 or z.shape != x.shape or weight.shape != x.shape[1:] or x.shape[1] not in (64, 128):
-        return f"rows of 64 or 128 values with gates of their shape, got {tuple(x.shape)}, {tuple(z.shape)}"
-    if z.dtype != x.dtype or weight.dtype not in GATE_DTYPES or x.stride(1) != 1 or z.stride(1) != 1:
-        return "gates of x's dtype and rows with unit strides"
+    if x.dim() != 2 or z.shape != x.shape or weight.shape != x.shape[1:] or x.shape[1] != NORM_DIM:
+        return f"rows of {NORM_DIM} values with gates of their shape, got {tuple(x.shape)}, {tuple(z.shape)}"
+    if z.dtype != x.dtype or weight.dtype != x.dtype or x.stride(1) != 1 or z.stride(1) != 1:
+        return "gates and weight of x's dtype, and rows with unit strides"
     return None
 
 
@@ -76,6 +77,6 @@ def gated_rms_norm(x, z, weight, eps) -> torch.Tensor:
 
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        kernel = compile_program(build_gated_rms_norm, x.shape[1], KERNEL_DTYPES[x.dtype], GATE_DTYPES[weight.dtype])
+        kernel = compile_program(build_gated_rms_norm, NORM_DIM, KERNEL_DTYPES[x.dtype])
         kernel(x, z, weight.contiguous(), float(eps), y)
     return y

@@ -7,20 +7,18 @@ length, but past a few dozen tokens the chunked forward is faster.
 
 Nothing here reads a device value: q/k/v are read where they lie (any token
 stride), g and beta in their own dtypes (or the layer's gate inputs, with the
-gates computed in the kernel: ``LayerGates``), and a dense batch's sequences are
+gates computed in the kernel), and a dense batch's sequences are
 found by arithmetic.  So a step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from . import context_parallel, reference
-from .hopper_forward import KERNEL_DTYPES, one_wave_width, placeholder, placeholder_state
-
-GATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from .hopper_forward import (
+    KERNEL_DTYPES, OPERAND_DTYPES, one_wave_width, placeholder, placeholder_state, zero_rows_past_last_sequence,
+)
 
 
 def plan_block_v(num_seqs: int, num_v_heads: int, device: torch.device) -> int:
@@ -30,8 +28,9 @@ def plan_block_v(num_seqs: int, num_v_heads: int, device: torch.device) -> int:
     still start at once finish it soonest (narrower ones queue behind each
     other, each paying its fixed cost).  A large batch is bound by reading and
     writing the state: the widest programs load and reduce q and k the fewest
-    times.  (H200, 2026-11-23, ``bench_decode.py --compare-widths``: batch 1 at
-    (16, 32) 4.7 / 3.2 / 4.3 us at 16 / 32 / 64 columns; batch 128: 269 / 182 / 170 us.)
+    times.  (Measured at every width, BENCHMARKS.md "Decode" with its GPU, versions
+    and command: batch 1 at (16, 32) 4.6 / 3.2 / 4.2 us at 16 / 32 / 64 columns;
+    batch 128: 270 / 182 / 171 us.)
     """
     from .kernels.recurrent_step import BLOCK_WIDTHS
 
@@ -51,25 +50,16 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if packed and aligned else rows.contiguous()
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerGates:
-    """Qwen3.5's gate parameters, for a call whose g and beta are the layer's raw ``a`` and ``b``:
-    ``g = -exp(A_log) softplus(a + dt_bias)`` (with ``A_log``), ``beta = sigmoid(b)`` (with ``beta_sigmoid``)."""
-
-    A_log: torch.Tensor | None = None  # [Hv]
-    dt_bias: torch.Tensor | None = None  # [Hv]
-    beta_sigmoid: bool = False
-
-
 def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                       use_qk_l2norm_in_kernel=False, cu_seqlens=None, final_state=None, block_v=None,
-                      gates: LayerGates = LayerGates()):
+                      A_log=None, dt_bias=None, beta_sigmoid=False):
     """The token recurrence on Hopper; same contract as ``reference.recurrent_gated_delta_rule``.
 
     ``final_state``: where to write the final state (contiguous fp32 ``[N, Hv, K, V]``;
     it may be ``initial_state`` itself, for an update in place).  ``block_v``
-    overrides :func:`plan_block_v` (benchmarks compare widths with it).  ``gates``:
-    g and beta are computed in the kernel from the layer's inputs.
+    overrides :func:`plan_block_v` (benchmarks compare widths with it).  ``A_log``
+    (with ``dt_bias``) and ``beta_sigmoid``: g and beta are the layer's raw gate
+    inputs, and the kernel computes the gates (``reference.layer_gates``).
     """
     from .kernels.compile import compile_program
     from .kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
@@ -90,16 +80,15 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state
             final_state.copy_(h0) if h0 is not None else final_state.zero_()
         return o.view(v.shape), final_state
     g, beta = (_gate_rows(x, batch * length, hv) for x in (g, beta))
-    A_log, dt_bias = gates.A_log, gates.dt_bias
     if A_log is not None:
         A_log, dt_bias = A_log.contiguous(), dt_bias.to(A_log.dtype).contiguous()
-        if A_log.dtype not in GATE_DTYPES:
+        if A_log.dtype not in OPERAND_DTYPES:
             A_log, dt_bias = A_log.float(), dt_bias.float()
     config = RecurrentStepConfig(
-        hqk, hv, KERNEL_DTYPES[q.dtype], GATE_DTYPES[g.dtype], GATE_DTYPES[beta.dtype],
+        hqk, hv, KERNEL_DTYPES[q.dtype], OPERAND_DTYPES[g.dtype], OPERAND_DTYPES[beta.dtype],
         block_v or plan_block_v(num_seqs, hv, device), use_qk_l2norm_in_kernel, h0 is not None, store_final,
-        varlen=cu_seqlens is not None, gate_in_kernel=A_log is not None, beta_sigmoid_in_kernel=gates.beta_sigmoid,
-        param_dtype=GATE_DTYPES[A_log.dtype] if A_log is not None else "float32", head_dim=kdim)
+        varlen=cu_seqlens is not None, gate_in_kernel=A_log is not None, beta_sigmoid_in_kernel=beta_sigmoid,
+        param_dtype=OPERAND_DTYPES[A_log.dtype] if A_log is not None else "float32", head_dim=kdim)
     no_state = placeholder_state(hv, kdim, vdim, device)
     no_params = placeholder((hv,), torch.float32, device)
     offsets = placeholder((1,), torch.int32, device) if cu_seqlens is None else cu_seqlens.to(torch.int32)
@@ -108,9 +97,11 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state
         no_params if A_log is None else A_log, no_params if dt_bias is None else dt_bias,
         offsets, num_seqs, length, no_state if h0 is None else h0,
         reference.query_scale(scale, kdim), o, final_state if store_final else no_state)
+    if cu_seqlens is not None:
+        zero_rows_past_last_sequence(o, offsets)
     return o.view(v.shape), (final_state if store_final else None)
 
 
 def _gate_rows(x: torch.Tensor, tokens: int, heads: int) -> torch.Tensor:
     x = x.reshape(tokens, heads).contiguous()
-    return x if x.dtype in GATE_DTYPES else x.float()
+    return x if x.dtype in OPERAND_DTYPES else x.float()

@@ -141,14 +141,19 @@ def _check_cu_seqlens(cu_seqlens, batch, length) -> int:
     return len(offsets) - 1
 
 
-def check_inplace_state(initial_state, inputs) -> None:
+def requires_grad(*tensors) -> bool:
+    """Whether autograd would record a call on these tensors (None entries ignored)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
+def check_inplace_state(initial_state, needs_grad: bool) -> None:
     """``inplace_final_state`` needs a state tensor the kernel can write, and no gradient through it."""
     if initial_state is None:
         raise ValueError("inplace_final_state=True needs initial_state: the final state is written into it")
     if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
         raise ValueError("inplace_final_state=True needs initial_state contiguous float32, got "
                          f"{initial_state.dtype}{'' if initial_state.is_contiguous() else ', not contiguous'}")
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+    if needs_grad:
         raise ValueError("inplace_final_state=True overwrites initial_state, which the backward needs: "
                          "call it without gradients (torch.no_grad()) or with inplace_final_state=False")
 

@@ -26,7 +26,8 @@ for step in $steps; do
       done ;;
     decode) # the decoding kernel: its programs side by side, its GPU tests, then bench_decode.py
       python scripts/precompile.py --heads 16x32,16x64,2x8 --kernels decode --jobs 15 2>&1 | grep -v INFO | tail -1
-      python scripts/precompile.py --heads 2x4 --all-flags --jobs 15 2>&1 | grep -v INFO | tail -1  # the tiny models
+      python scripts/precompile.py --heads 2x4 --all-flags --kernels forward,decode --jobs 15 2>&1 \
+        | grep -v INFO | tail -1  # the tiny models
       timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_recurrent.py \
         tests/test_hopper_layer.py tests/test_hub.py -k "recurrent or generate or kernelize or conv or norm" 2>&1 \
         | tee "$OUT/gpu-tests-decode.log" | tail -30
@@ -53,7 +54,7 @@ for step in $steps; do
              | tee "$OUT/gpu-tests-forward.log" | tail -30 ;;
     kernelcheck) timeout 300 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tee "$OUT/kernelcheck.log" \
              | tail -20 ;;
-    sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only)
+    sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only or --decode-only)
       for tool in memcheck racecheck synccheck; do
         timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 python scripts/sanitize_kernels.py ${SANITIZE:-} \
           > "$OUT/sanitize-$tool.log" 2>&1; echo "$tool: exit $?"

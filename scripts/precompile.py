@@ -42,17 +42,18 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
     flags = list(itertools.product([True, False], repeat=2)) if all_flags else [(True, True)]
     out = []
     if "decode" in kernels:
-        # g and beta as Transformers passes them (fp32, bf16) and both fp32; the layer's step (gates in kernel)
+        # g and beta as Transformers passes them (fp32, bf16) and both fp32; the layer's step (gates in kernel,
+        # from its a, b and its A_log, dt_bias in the model's dtype)
         gates = [("float32", "bfloat16", False), ("float32", "float32", False), (dtype, dtype, True)]
         out += [(build_recurrent_step, (RecurrentStepConfig(
                     hqk, hv, dtype, g, beta, b, l2norm, h0, ht, varlen, gate_in_kernel=in_kernel,
-                    beta_sigmoid_in_kernel=in_kernel),))
+                    beta_sigmoid_in_kernel=in_kernel, param_dtype=dtype if in_kernel else "float32"),))
                 for (g, beta, in_kernel), b, l2norm, (h0, ht), varlen in itertools.product(
                     gates, DECODE_WIDTHS, [True, False], flags, [False, True])
                 if not in_kernel or (l2norm and not varlen)]
-        # the layer's conv step and gated RMSNorm
-        out += [(build_causal_conv_step, ((2 * hqk + hv) * 128, 4, dtype, dtype, True, True)),
-                (build_gated_rms_norm, (128, dtype, dtype))]
+        # the layer's conv step (Qwen3.5's conv1d has no bias) and gated RMSNorm
+        out += [(build_causal_conv_step, ((2 * hqk + hv) * 128, 4, dtype, False, True)),
+                (build_gated_rms_norm, (128, dtype))]
     if "forward" not in kernels and "backward" not in kernels:
         return out
     out += [(build_inverse_norms, (hqk, 128, dtype)), (build_chunk_prep, (hqk, hv, 128, dtype, False)),

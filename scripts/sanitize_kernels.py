@@ -1,6 +1,6 @@
 """Every Hopper kernel once on a small varlen problem with edge lengths, for compute-sanitizer.
 
-    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py [--forward-only]
+    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py [--forward-only | --decode-only]
 
 Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:

@@ -30,7 +30,7 @@ def test_conv_step_matches_the_update(batch, channels, dtype, has_bias, activati
     x = rnd(batch, 1, channels).to(dtype).transpose(1, 2)
     conv_state = rnd(batch, channels, 4).to(dtype)
     weight, bias = rnd(channels, 4).to(dtype), rnd(channels).to(dtype) if has_bias else None
-    assert conv_step_unsupported_reason(x, conv_state, weight, activation) is None
+    assert conv_step_unsupported_reason(x, conv_state, weight, bias, activation) is None
     want_y, want_state = torch_step(x, conv_state, weight, bias, activation)
     y = causal_conv1d_step(x, conv_state, weight, bias, activation)
     assert y.shape == (batch, channels, 1) and y.dtype == dtype
@@ -38,13 +38,21 @@ def test_conv_step_matches_the_update(batch, channels, dtype, has_bias, activati
     assert torch.equal(conv_state, want_state.to(dtype))  # the window, moved exactly
 
 
-def test_conv_step_declines_what_it_does_not_cover():
-    x = torch.randn(2, 64, 3, device="cuda").bfloat16()
-    assert "one new token" in conv_step_unsupported_reason(x, torch.zeros(2, 64, 4, device="cuda").bfloat16(),
-                                                           torch.zeros(64, 4, device="cuda"), "silu")
-    x = x[..., :1]
-    assert "contiguous" in conv_step_unsupported_reason(x, torch.zeros(2, 64, 4, device="cuda"),
-                                                        torch.zeros(64, 4, device="cuda"), "silu")
+def test_glue_kernels_decline_what_they_do_not_cover():
+    # The layer then runs PyTorch (conv.causal_conv1d_update, Transformers' norm module): these reasons say why.
+    cuda = dict(device="cuda", dtype=torch.bfloat16)
+    x, state, weight = torch.randn(2, 64, 1, **cuda), torch.zeros(2, 64, 4, **cuda), torch.zeros(64, 4, **cuda)
+    assert conv_step_unsupported_reason(x, state, weight, None, "silu") is None
+    assert "one new token" in conv_step_unsupported_reason(x.expand(2, 64, 3), state, weight, None, "silu")
+    assert "contiguous" in conv_step_unsupported_reason(x, state.float(), weight, None, "silu")
+    assert "weight and bias" in conv_step_unsupported_reason(x, state, weight.float(), None, "silu")
+    assert "activation" in conv_step_unsupported_reason(x, state, weight, None, "gelu")
+    assert "not on a CUDA device" in conv_step_unsupported_reason(x.cpu(), state.cpu(), weight.cpu(), None, "silu")
+    rows, norm_weight = torch.randn(5, 128, **cuda), torch.ones(128, **cuda)
+    assert norm_unsupported_reason(rows, rows, norm_weight) is None
+    assert "rows of 128" in norm_unsupported_reason(rows[:, :64], rows[:, :64], norm_weight[:64])
+    assert "of x's dtype" in norm_unsupported_reason(rows, rows, norm_weight.float())
+    assert "bf16 or fp16" in norm_unsupported_reason(rows.float(), rows.float(), norm_weight.float())
 
 
 @pytest.mark.parametrize("rows,dtype", [(32, torch.bfloat16), (8193, torch.float16)])

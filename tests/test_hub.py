@@ -375,7 +375,7 @@ sm90 = pytest.mark.skipif(not SM90, reason="flash-qla's TileLang kernels are bui
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@sm90
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gpu_greedy_generate_gives_the_model_tokens(flash_qla, moe):
     model = tiny_model(moe=moe, head_dim=128, device="cuda", dtype=torch.bfloat16)

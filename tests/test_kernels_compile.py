@@ -55,14 +55,14 @@ def test_recurrent_step_compiles(config):
 
 @pytest.mark.parametrize("channels,dtype,has_bias,silu", [(8192, "bfloat16", True, True), (1000, "float16", False, False)])
 def test_causal_conv_step_compiles(channels, dtype, has_bias, silu):
-    source = compile_program(build_causal_conv_step, channels, 4, dtype, dtype, has_bias, silu).get_kernel_source()
+    source = compile_program(build_causal_conv_step, channels, 4, dtype, has_bias, silu).get_kernel_source()
     assert "__syncthreads" not in source  # a thread owns its channel's window
     assert ("expf" in source) == silu
 
 
-@pytest.mark.parametrize("dim,dtype,weight_dtype", [(128, "bfloat16", "bfloat16"), (64, "float16", "float32")])
-def test_gated_rms_norm_compiles(dim, dtype, weight_dtype):
-    source = compile_program(build_gated_rms_norm, dim, dtype, weight_dtype).get_kernel_source()
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gated_rms_norm_compiles(dtype):
+    source = compile_program(build_gated_rms_norm, 128, dtype).get_kernel_source()
     assert "__syncthreads" not in source  # a row's sum of squares stays in one warp
 
 

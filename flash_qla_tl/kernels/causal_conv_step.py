@@ -19,8 +19,9 @@ import tilelang.language as T
 CHANNELS_PER_PROGRAM = 128
 
 
-def build_causal_conv_step(channels: int, width: int, dtype: str, weight_dtype: str, has_bias: bool, silu: bool):
-    """``x [B, C]`` (row stride free), ``conv_state [B, C, W]`` updated in place, ``y [B, C]``; B is symbolic."""
+def build_causal_conv_step(channels: int, width: int, dtype: str, has_bias: bool, silu: bool):
+    """``x [B, C]`` (row stride free), ``conv_state [B, C, W]`` updated in place, ``weight [C, W]``, ``bias [C]``
+    and ``y [B, C]``, all in ``dtype``; B is symbolic."""
     batch = T.dynamic("B")
     x_stride = T.dynamic("x_stride")
     accum = "float32"
@@ -32,8 +33,8 @@ def build_causal_conv_step(channels: int, width: int, dtype: str, weight_dtype: 
     def causal_conv_step(
         x: T.StridedTensor([batch, channels], (x_stride, 1), dtype),
         conv_state: T.Tensor([batch, channels, width], dtype),
-        weight: T.Tensor([channels, width], weight_dtype),
-        bias: T.Tensor([channels], weight_dtype),
+        weight: T.Tensor([channels, width], dtype),
+        bias: T.Tensor([channels], dtype),
         y: T.Tensor([batch, channels], dtype),
     ):
         with T.Kernel(T.ceildiv(channels, block), batch, threads=block) as (program, b):

@@ -16,8 +16,9 @@ ROWS = 32
 THREADS = 128
 
 
-def build_gated_rms_norm(dim: int, dtype: str, weight_dtype: str):
-    """``x [N, D]``, ``z [N, D]`` (any row strides), ``weight [D]``, ``eps`` -> ``y [N, D]``; N is symbolic."""
+def build_gated_rms_norm(dim: int, dtype: str):
+    """``x [N, D]``, ``z [N, D]`` (any row strides), ``weight [D]``, ``eps`` -> ``y [N, D]``, all in ``dtype``;
+    N is symbolic."""
     assert dim % 4 == 0 and dim // 4 <= 32 and THREADS % (dim // 4) == 0, dim
     num_rows = T.dynamic("N")
     x_stride, z_stride = T.dynamic("x_stride"), T.dynamic("z_stride")
@@ -32,7 +33,7 @@ def build_gated_rms_norm(dim: int, dtype: str, weight_dtype: str):
     def gated_rms_norm(
         x: T.StridedTensor([num_rows, dim], (x_stride, 1), dtype),
         z: T.StridedTensor([num_rows, dim], (z_stride, 1), dtype),
-        weight: T.Tensor([dim], weight_dtype),
+        weight: T.Tensor([dim], dtype),
         eps: T.float32,
         y: T.Tensor([num_rows, dim], dtype),
     ):

@@ -33,7 +33,8 @@ import dataclasses
 
 import tilelang.language as T
 
-EPS = 1e-6  # as in inverse_norms: 1 / sqrt(sum(x^2) + EPS)
+from .inverse_norms import EPS  # 1 / sqrt(sum(x^2) + EPS), as everywhere
+
 SOFTPLUS_THRESHOLD = 20.0  # as torch's softplus: x itself above it
 THREADS = 128
 BLOCK_WIDTHS = (16, 32, 64)  # value columns per program

@@ -20,9 +20,13 @@ from .flash_qla_tl.hopper_layer import causal_conv1d_step, conv_step_unsupported
 _ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
 
 
-def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+def _check_activation(activation: str | None) -> None:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported conv activation {activation!r}, expected one of {list(_ACTIVATIONS)}")
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    _check_activation(activation)
     return _ACTIVATIONS[activation](x)
 
 
@@ -74,8 +78,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     token per sequence on Hopper (bf16/fp16, the state of x's dtype, S = W) is one
     kernel (`flash_qla_tl.hopper_layer`); everything else runs in PyTorch.
     """
-    _activate(x[..., :0], activation)  # an unknown activation is an error on every path
-    if conv_step_unsupported_reason(x, conv_state, weight, activation) is None:
+    _check_activation(activation)
+    if conv_step_unsupported_reason(x, conv_state, weight, bias, activation) is None:
         return _conv_step_op(x, conv_state, weight, bias, activation)
     length = x.shape[-1]
     window = torch.cat([conv_state, x], dim=-1).to(weight.dtype)

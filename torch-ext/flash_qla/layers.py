@@ -14,10 +14,10 @@ on the original module, so these classes hold no state of their own and their
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .conv import causal_conv1d, causal_conv1d_update
+from .flash_qla_tl.reference import layer_gates
 from .norm import gated_rms_norm
 from .ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -151,9 +151,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                 use_beta_sigmoid_in_kernel=True,
             )
         else:
-            beta = b.sigmoid()
-            # fp32: in fp16, exp(A_log) could overflow
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            # g in fp32 (in fp16, exp(A_log) could overflow); beta rounded to the model's dtype, as Transformers does
+            g, beta = layer_gates(a, b.sigmoid(), self.A_log, self.dt_bias)
             gated_delta_rule = fused_recurrent_gated_delta_rule if decoding else chunk_gated_delta_rule
             core_attn_out, last_recurrent_state = gated_delta_rule(
                 query, key, value, g, beta,

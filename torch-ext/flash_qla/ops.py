@@ -2,7 +2,9 @@
 
 Each operator is a forward op and a backward op under this build's own namespace
 (`_ops.add_op_namespace_prefix`, generated at build time), with fake (meta)
-implementations that give output shapes without running anything.  The bodies
+implementations that give output shapes without running anything; decoding
+with the state updated in place is one more forward op, without a backward
+(it declares the state it mutates).  The bodies
 call the vendored `flash_qla_tl` library; the public functions here keep its
 signature and conventions (q, k [B, T, Hqk, K], v [B, T, Hv, V], g and beta
 [B, T, Hv], grouped value heads, packed sequences through `cu_seqlens`).
@@ -19,10 +21,13 @@ from ._ops import add_op_namespace_prefix
 from .flash_qla_tl import (
     chunk_gated_delta_rule_bwd,
     chunk_gated_delta_rule_fwd,
+    fused_recurrent_gated_delta_rule_fwd,
 )
 from .flash_qla_tl import fused_recurrent_gated_delta_rule as _recurrent_forward
 from .flash_qla_tl.reference import compute_dtype_for, layer_gates
-from .flash_qla_tl.validation import check_inplace_state, check_inputs, check_kwargs, check_layer_gates
+from .flash_qla_tl.validation import (
+    check_inplace_state, check_inputs, check_kwargs, check_layer_gates, requires_grad,
+)
 
 
 def _absent_like(x: Tensor) -> Tensor:
@@ -141,10 +146,12 @@ def _recurrent_inplace_op(
     use_beta_sigmoid_in_kernel: bool,
 ) -> Tensor:
     """Decoding with the cache's state updated in place (no autograd: the state is overwritten);
-    with `A_log` (and `dt_bias`), g and beta are the layer's raw gate inputs (see the public function)."""
-    o, _ = _recurrent_forward(q, k, v, g, beta, scale, state, False, use_qk_l2norm_in_kernel, cu_seqlens,
-                              inplace_final_state=True, use_gate_in_kernel=A_log is not None, A_log=A_log,
-                              dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+    with `A_log` (and `dt_bias`), g and beta are the layer's raw gate inputs (see the public function).
+    The public function checked the options; the inputs are checked here, as in `_chunk_forward`."""
+    check_inputs(q, k, v, g, beta, scale, state, False, use_qk_l2norm_in_kernel, cu_seqlens)
+    o, _ = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, state, False, use_qk_l2norm_in_kernel,
+                                                cu_seqlens, final_state=state, A_log=A_log, dt_bias=dt_bias,
+                                                beta_sigmoid=use_beta_sigmoid_in_kernel)
     return o.contiguous()
 
 
@@ -187,13 +194,14 @@ def fused_recurrent_gated_delta_rule(
     `use_beta_sigmoid_in_kernel` take Qwen3.5's raw gate inputs as g and beta.
     """
     check_layer_gates(v, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
     if inplace_final_state:
         check_kwargs(kwargs)
-        check_inplace_state(initial_state, (q, k, v, g, beta, initial_state, A_log, dt_bias))
+        check_inplace_state(initial_state, requires_grad(q, k, v, g, beta, initial_state, A_log, dt_bias))
         o = _recurrent_inplace_op(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                                  A_log if use_gate_in_kernel else None, dt_bias if use_gate_in_kernel else None,
-                                  use_beta_sigmoid_in_kernel)
+                                  A_log, dt_bias, use_beta_sigmoid_in_kernel)
         return o, initial_state if output_final_state else None
-    g, beta = layer_gates(g, beta, A_log if use_gate_in_kernel else None, dt_bias, use_beta_sigmoid_in_kernel)
+    g, beta = layer_gates(g, beta, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     return _call(_recurrent_op, q, k, v, g, beta, scale, initial_state, output_final_state,
                  use_qk_l2norm_in_kernel, cu_seqlens, kwargs)
