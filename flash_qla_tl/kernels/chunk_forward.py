@@ -33,7 +33,11 @@ tensor-core work per chunk.  Everything that does not depend on S runs beside
 it, one chunk ahead:
 
 * warpgroups 0-1, the chain (256 threads, each holding half of every
-  accumulator): the two rounds above, the output, the stores;
+  accumulator): the two rounds above and the output.  A whole chunk's ``o``
+  goes to shared memory (``U``'s slot, free until the next chunk's ``U``) and
+  out in one TMA store that one chain thread issues and nobody waits for until
+  that slot is needed again; only a sequence's short last chunk is stored
+  row by row;
 * warpgroup 2, prep: for chunk c + 1, ``Kbar`` and ``P`` (two GEMMs, then P's
   gates and mask on CUDA cores), the per-row gate vectors and ``Kd``.  ``P`` and
   the gates go to a two-stage ring of shared memory; ``Kbar`` has one slot,
@@ -53,7 +57,7 @@ row r depends on its left operand's row r only).
 """
 
 from .chunk_pipeline import (
-    CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
+    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
     head_columns, load_gates, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
@@ -188,6 +192,10 @@ def build_chunk_forward(
                     # U is done (Q S may still run): mask its padded rows, and decay the state.
                     for i, j in T.Parallel(C, block_v):
                         u[i, j] = T.Select(i < n, u[i, j], T.float32(0))
+                    if store_output:
+                        # u_op last staged the previous chunk's o: its TMA store must have read it.
+                        T.tma_store_wait(0)
+                        T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
                     T.copy(u, u_op)
                     for d, j in T.Parallel(K, block_v):
                         state[d, j] = state[d, j] * chunk_decay[st]
@@ -205,10 +213,22 @@ def build_chunk_forward(
                     T.barrier_arrive(consumed[st])
 
                     if store_output:
-                        for i, j in T.Parallel(C, block_v):
-                            if i < n:
-                                o[s + i, hv, v0 + j] = out[i, j]
+                        if n == C:
+                            # A whole chunk leaves through shared memory (u_op, free until the next
+                            # chunk's U) in one TMA store: per-thread stores of the accumulator
+                            # (4 bytes each, 8 rows per instruction) held the chain ~40% of a chunk.
+                            T.copy(out, u_op)
+                            T.fence_proxy_async()
+                            T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+                            T.tma_copy(u_op, o[s : s + C, hv, v0 : v0 + block_v])
+                        else:
+                            # A sequence's last, short chunk: its rows past n are the next sequence's.
+                            for i, j in T.Parallel(C, block_v):
+                                if i < n:
+                                    o[s + i, hv, v0 + j] = out[i, j]
 
+                if store_output:  # shared memory must outlive the last TMA store's reads
+                    T.tma_store_wait(0)
                 if store_final_state:
                     T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
             elif tx < CHAIN_THREADS + PREP_THREADS:
@@ -227,9 +247,10 @@ def build_chunk_forward(
                         zero_rows_past(k_tile, st, n, C, K)
                         zero_rows_past(v_tile, st, n, C, block_v)
 
-                    T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
+                    # Q K^T first: its gates and mask then run while Ak K is still on the tensor cores.
                     if store_output:
                         T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
                     for i in T.Parallel(C):
                         if store_output:
                             out_gate[st, i] = T.Select(
@@ -240,11 +261,11 @@ def build_chunk_forward(
                         )
                         if i == 0:
                             chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
-                    T.wait_wgmma(0)
-
                     if store_output:
+                        T.wait_wgmma(1)
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
                         T.copy(qk, p_op[st, :, :])
+                    T.wait_wgmma(0)
                     # Both GEMMs have read the keys: from here on they only feed the
                     # chain's state update, so decay them to the chunk end (0 past n).
                     # Read all, then write all: one barrier, not one per row block.

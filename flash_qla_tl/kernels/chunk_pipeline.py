@@ -21,6 +21,8 @@ LOADER_THREADS = 128
 # 96 (Kbar, Q K^T), the loader only issues TMA; ptxas reports no spills at this split.
 CHAIN_REGS, PREP_REGS, LOADER_REGS = 168, 152, 24
 STAGES = 2
+# Named barrier of the chain warpgroups alone (TileLang's own partial syncs of the chain use id 3 too).
+CHAIN_BARRIER = 3
 
 
 def head_columns(hv, group):

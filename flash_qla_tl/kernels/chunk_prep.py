@@ -139,6 +139,54 @@ def build_chunk_prep(
             block_products(X, P, acc, thread, level)
         T.sync_threads()
 
+    @T.macro
+    def write_operands(X, beta_tile, k_scale, gamma_tile, row_gate, A_keys, A_values, A_inverse, s, n, head, thread):
+        """Rows ``r < n`` of ``A_keys``, ``A_values`` (and ``A_inverse``) from ``X = A0``, straight from registers.
+
+        Thread ``t`` owns the 8 adjacent columns ``J = 8 (t % 8) + [0, 8)`` of the rows
+        ``t // 8 + 16 i``: its column factors (``beta_j``, ``beta_j rk_j``, ``gamma_j``)
+        stay in registers, ``X`` comes in 16-byte loads and every output row segment
+        leaves in one 16-byte store (8 threads write a row's 128 contiguous bytes).
+        ``A[r, j] = A0[r, j] beta_j`` is zero above the block diagonal (never written
+        in ``X``: a select, so stale shared memory cannot leak in); ``E`` would
+        overflow above the diagonal, so it is a select too.
+        """
+        j0 = (thread % 8) * 8
+        col_beta = T.alloc_local([8], accum)
+        col_key = T.alloc_local([8], accum)  # beta_j rk_j
+        col_gamma = T.alloc_local([8], accum)  # log2 units
+        x_row = T.alloc_local([8], accum)
+        keys_row = T.alloc_local([8], dtype)
+        values_row = T.alloc_local([8], dtype)
+        inverse_row = T.alloc_local([8], dtype)
+        for e in T.unroll(8):
+            col_beta[e] = beta_tile[j0 + e]
+            col_key[e] = beta_tile[j0 + e] * k_scale[j0 + e]
+            col_gamma[e] = gamma_tile[j0 + e] * LOG2_E
+        for i in T.unroll(C // 16):
+            r = thread // 8 + 16 * i
+            for e in T.vectorized(8):
+                x_row[e] = X[r, j0 + e]
+            for e in T.unroll(8):
+                below = (j0 + e) // B <= r // B
+                keys_row[e] = T.cast(T.if_then_else(below, row_gate[r] * x_row[e] * col_key[e], T.float32(0)), dtype)
+                values_row[e] = T.cast(
+                    T.if_then_else(j0 + e <= r,
+                                   x_row[e] * col_beta[e] * T.exp2(gamma_tile[r] * LOG2_E - col_gamma[e]),
+                                   T.float32(0)),
+                    dtype,
+                )
+                if store_inverse:
+                    inverse_row[e] = T.cast(T.if_then_else(j0 + e <= r, x_row[e], T.float32(0)), dtype)
+            if r < n:
+                for e in T.vectorized(8):
+                    A_keys[s + r, head, j0 + e] = keys_row[e]
+                for e in T.vectorized(8):
+                    A_values[s + r, head, j0 + e] = values_row[e]
+                if store_inverse:
+                    for e in T.vectorized(8):
+                        A_inverse[s + r, head, j0 + e] = inverse_row[e]
+
     @T.prim_func
     def chunk_prep(
         k: T.Tensor([num_tokens, num_qk_heads, head_dim], dtype),
@@ -170,11 +218,6 @@ def build_chunk_prep(
             P = T.alloc_shared([3 * B, B], accum)
             x = T.alloc_local([B], accum)
             acc = T.alloc_local([8], accum)
-            # The outputs, staged so that every row goes out in 16-byte stores; born after M
-            # and P die, they take their space (the pass config below).
-            keys_tile = T.alloc_shared([C, C], dtype)
-            values_tile = T.alloc_shared([C, C], dtype)
-            inverse_tile = T.alloc_shared([C, C], dtype) if store_inverse else None
 
             s = chunk_table[chunk_id, 0]
             n = chunk_table[chunk_id, 1] - s
@@ -213,28 +256,12 @@ def build_chunk_prep(
                 off_diagonal_level(M, X, P, acc, thread, 2)
                 off_diagonal_level(M, X, P, acc, thread, 3)
 
-                # A[r, j] = A0[r, j] * beta_j is zero above the block diagonal (never
-                # written: a select, so stale shared memory cannot leak in).  E would
-                # overflow above the diagonal, so it is a select too.
-                for r, j in T.Parallel(C, C):
-                    a_rj = T.if_then_else(j // B <= r // B, X[r, j] * beta_tile[j], T.float32(0))
-                    keys_tile[r, j] = T.cast(row_gate[r] * a_rj * k_scale[j], dtype)
-                    values_tile[r, j] = T.cast(
-                        T.if_then_else(j <= r, a_rj * T.exp2((gamma_tile[r] - gamma_tile[j]) * LOG2_E), T.float32(0)),
-                        dtype,
-                    )
-                    if store_inverse:
-                        inverse_tile[r, j] = T.cast(T.if_then_else(j <= r, X[r, j], T.float32(0)), dtype)
-                for r, j in T.Parallel(C, C):
-                    if r < n:
-                        A_keys[s + r, head, j] = keys_tile[r, j]
-                        A_values[s + r, head, j] = values_tile[r, j]
-                        if store_inverse:
-                            A_inverse[s + r, head, j] = inverse_tile[r, j]
+                write_operands(X, beta_tile, k_scale, gamma_tile, row_gate, A_keys, A_values, A_inverse, s, n, head,
+                               thread)
 
     return chunk_prep
 
 
-# Shared memory by liveness: the staged outputs reuse the space of M and P, so a
-# program keeps to 36 KB (41 KB with the backward's A0 tile), six (five) per SM.
+# Shared memory by liveness: M takes the key tile's space once the Gram matrix has read
+# it, so a program keeps to 36 KB, six per SM.
 build_chunk_prep.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
