@@ -29,14 +29,19 @@ from flash_qla_tl import context_parallel, hopper_forward  # noqa: E402
 
 
 def plans(total: int, num_seqs: int, hv: int, device) -> dict:
-    """Every plan worth timing for this shape, by name."""
+    """Every plan worth timing for this shape, by name: each width alone, and with segments of every
+    power-of-two split from 4 up to the most whose programs still fit the SMs at once."""
     out = {}
+    sms = context_parallel.num_sms(device)
+    mean_length = -(-total // num_seqs)
     for block_v in hopper_forward.BLOCK_WIDTHS:
         programs = (hopper_forward.HEAD_DIM // block_v) * hv * num_seqs
         out[f"{block_v}"] = hopper_forward.StatePassPlan(block_v, None)
-        seg = context_parallel.segment_length(total, num_seqs, programs, context_parallel.num_sms(device))
-        if seg is not None:
+        split = context_parallel.MIN_SEGMENTS
+        while split * programs <= sms and mean_length >= split * context_parallel.MIN_SEGMENT_TOKENS:
+            seg = -(-mean_length // (split * context_parallel.CHUNK)) * context_parallel.CHUNK
             out[f"{block_v}+cp{seg}"] = hopper_forward.StatePassPlan(block_v, seg)
+            split *= 2
     return out
 
 

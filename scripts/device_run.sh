@@ -44,7 +44,7 @@ for step in $steps; do
              | tee "$OUT/gpu-tests.log" | tail -40 ;;
     bwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_backward.py 2>&1 \
              | tee "$OUT/gpu-tests-backward.log" | tail -30 ;;
-    plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} 2>&1 | grep -v INFO \
+    plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | grep -v INFO \
              | tee "$OUT/plans.log" | tail -40 ;;
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} \

@@ -192,6 +192,19 @@ def test_context_parallel_split(decay):
     _check(_inputs(seqs=seqs, decay=decay, initial_state=True, hqk=1, hv=4), l2norm=True)
 
 
+@pytest.mark.parametrize("plan", [(32, 1024), (128, 2048)], ids=["narrow", "whole heads"])
+def test_context_parallel_plans_without_decay(plan):
+    """Both kinds of split on heads that never forget (the transitions carry everything), uneven lengths."""
+    from flash_qla_tl import hopper_forward
+
+    x = _inputs(seqs=[9000, 2030, 1], decay="none", initial_state=True, hqk=1, hv=4)
+    o, s = hopper_forward.chunk_forward(**x, scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                        plan=hopper_forward.StatePassPlan(*plan))
+    ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+    o_ref, s_ref = reference.chunked_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert rel_rms(o, o_ref) < 5e-3 and rel_rms(s, s_ref) < 5e-3, (rel_rms(o, o_ref), rel_rms(s, s_ref))
+
+
 @pytest.mark.parametrize("block_v", [32, 64, 128])
 def test_value_block_widths(block_v):
     """Every program width the plan picks between, on the same awkward batch."""
