@@ -238,7 +238,8 @@ def cli(doc: str, tokens: list | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a few rows only")
     p.add_argument("--heads", help="comma-separated HqkxHv to run (default: the whole grid)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated input modes: normalized, l2norm")
-    p.add_argument("--no-check", action="store_true", help="skip the float64 reference of every row")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip checking each row's outputs (the forward: against float64; the backward: against ours)")
     if tokens:
         p.add_argument("--tokens", default=tokens, type=lambda s: [int(x) for x in s.split(",")],
                        help="comma-separated total token counts to run (default: the whole grid's)")
