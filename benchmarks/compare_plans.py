@@ -39,7 +39,7 @@ def plans(total: int, num_seqs: int, hv: int, device) -> dict:
         out[f"{block_v}"] = hopper_forward.StatePassPlan(block_v, None)
         split = context_parallel.MIN_SEGMENTS
         while split * programs <= sms and mean_length >= split * context_parallel.MIN_SEGMENT_TOKENS:
-            seg = -(-mean_length // (split * context_parallel.CHUNK)) * context_parallel.CHUNK
+            seg = context_parallel.split_length(total, num_seqs, split)
             out[f"{block_v}+cp{seg}"] = hopper_forward.StatePassPlan(block_v, seg)
             split *= 2
     return out

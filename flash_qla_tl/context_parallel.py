@@ -49,8 +49,11 @@ def segment_length(total_tokens: int, num_seqs: int, num_programs: int, sms: int
     it may fill; sequence lengths are taken as their mean, ``total_tokens / num_seqs``.
     """
     split = min(sms // num_programs, total_tokens // (num_seqs * MIN_SEGMENT_TOKENS))
-    if split < MIN_SEGMENTS:
-        return None
+    return split_length(total_tokens, num_seqs, split) if split >= MIN_SEGMENTS else None
+
+
+def split_length(total_tokens: int, num_seqs: int, split: int) -> int:
+    """Tokens per segment (a multiple of 64) that cut a sequence of the mean length into ``split`` segments."""
     mean_length = -(-total_tokens // num_seqs)
     return -(-mean_length // (split * CHUNK)) * CHUNK
 
