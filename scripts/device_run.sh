@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent Hopper GPU: GPU tests, then benchmarks; full logs under $OUT.
-#   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|cold ...]     (default: tests quick)
+#   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|hazards|cold ...]     (default: tests quick)
 # Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf) and optionally a
 # TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
 # (xz: the cache's shared objects would not fit the 64 MiB a device call carries).
@@ -54,12 +54,18 @@ for step in $steps; do
              | tee "$OUT/gpu-tests-forward.log" | tail -30 ;;
     kernelcheck) timeout 300 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tee "$OUT/kernelcheck.log" \
              | tail -20 ;;
-    sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only or --decode-only)
+    sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only, --chunked-only or --decode-only)
       for tool in memcheck racecheck synccheck; do
         timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 python scripts/sanitize_kernels.py ${SANITIZE:-} \
           > "$OUT/sanitize-$tool.log" 2>&1; echo "$tool: exit $?"
         grep -v INFO "$OUT/sanitize-$tool.log" | grep -i "error summary\|hazard\|relative\|finite" | head -20
       done ;;
+    hazards) # racecheck's hazards one by one (threads, block, shared address) for the kernels named by
+             # HAZARD_KERNEL (a regex, default the local-gradient kernel), to narrow a report down
+      timeout 400 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 40 \
+        --kernel-name "regex=${HAZARD_KERNEL:-chunk_local_gradients}" python scripts/sanitize_kernels.py ${SANITIZE:-} \
+        > "$OUT/hazards.log" 2>&1; echo "racecheck hazards: exit $?"
+      grep -v INFO "$OUT/hazards.log" | head -60 ;;
     bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} \
              ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;

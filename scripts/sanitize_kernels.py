@@ -1,6 +1,6 @@
 """Every Hopper kernel once on a small varlen problem with edge lengths, for compute-sanitizer.
 
-    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py [--forward-only | --decode-only]
+    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py [--forward-only | --chunked-only | --decode-only]
 
 Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:
@@ -10,7 +10,7 @@ parallelism with its segment scan), then forward + backward through autograd
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
 its state once in a new tensor and once updated in place; and the layer's
 conv step and gated RMSNorm (``hopper_layer.py``).  The
-outputs are checked against the PyTorch reference, so a sanitizer run that
+outputs and the gradients are checked against the float64 reference, so a sanitizer run that
 disturbs the kernels' timing also shows whether the results moved.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import make_inputs, rel_rms  # noqa: E402
+from helpers import DIFFERENTIABLE, GRAD_TOL, make_inputs, rel_rms  # noqa: E402
 
 import flash_qla_tl as fq  # noqa: E402
 from flash_qla_tl import hopper_forward, hopper_layer, hopper_recurrent, reference  # noqa: E402
@@ -72,12 +72,14 @@ def check_layer_glue():
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--forward-only", action="store_true", help="the forward kernels only")
+    p.add_argument("--chunked-only", action="store_true", help="the forward and backward kernels only")
     p.add_argument("--decode-only", action="store_true", help="the decoding kernels only")
     args = p.parse_args()
-    if not args.forward_only:
+    decode = not (args.forward_only or args.chunked_only)
+    if decode:
         check_layer_glue()
     for hqk, hv in ((2, 8), (2, 6)):
-        if not args.forward_only:
+        if decode:
             check_decode(hqk, hv)
         if args.decode_only:
             continue
@@ -95,12 +97,19 @@ def main():
             assert max(errors) <= TOL, errors
         if args.forward_only:
             continue
+        names = DIFFERENTIABLE
+        do, dht = torch.randn_like(o_ref).float(), torch.randn_like(s_ref).float()
         leaves = {n: t.detach().clone().requires_grad_() if t.is_floating_point() else t for n, t in x.items()}
         o, s = fq.chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        grads = torch.autograd.grad((o, s), [leaves[n] for n in ("q", "k", "v", "g", "beta", "initial_state")],
-                                    (torch.randn_like(o), torch.randn_like(s)))
-        assert all(torch.isfinite(g).all() for g in grads)
-        print(f"({hqk},{hv}) backward: {len(grads)} finite gradients", flush=True)
+        grads = torch.autograd.grad((o, s), [leaves[n] for n in names], (do.to(o.dtype), dht))
+        ref_leaves = {n: t.detach().requires_grad_() if t.is_floating_point() else t for n, t in ref.items()}
+        o_ref, s_ref = reference.chunked_gated_delta_rule(**ref_leaves, output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=True)
+        ref_grads = torch.autograd.grad((o_ref, s_ref), [ref_leaves[n] for n in names], (do.double(), dht.double()))
+        errors = {n: rel_rms(g, r) for n, g, r in zip(names, grads, ref_grads)}
+        print(f"({hqk},{hv}) backward: relative RMS " + ", ".join(f"d{n} {e:.2e}" for n, e in errors.items()),
+              flush=True)
+        assert all(errors[n] <= GRAD_TOL[n] for n in names), errors
     torch.cuda.synchronize()
 
 

@@ -11,13 +11,11 @@ import torch
 
 import flash_qla_tl as fq
 from flash_qla_tl import chunked_backward, hopper_backward, hopper_forward, reference
-from helpers import HOPPER, hopper_inputs, make_inputs, rel_rms
+from helpers import DIFFERENTIABLE, GRAD_TOL as TOL, HOPPER, hopper_inputs, make_inputs, rel_rms
 
 pytestmark = HOPPER
 
 D = 128
-TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
-DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 _inputs = hopper_inputs
