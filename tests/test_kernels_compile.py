@@ -11,6 +11,7 @@ import pytest
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
+from flash_qla_tl.kernels.chunk_pipeline import register_split
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.compile import compile_program
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm
@@ -98,6 +99,13 @@ def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht, block_v):
     # whole chunks of o leave by TMA, a sequence's short last chunk row by row
     assert "tma_store(o_desc" in source and "tma_store_wait" in source and "(o + " in source
     assert shared_memory_used(source) < SMEM_PER_BLOCK
+
+
+def test_register_split_fits_the_launch():
+    """A split that asks for more registers than the launch holds hangs the program: it must not build."""
+    with pytest.raises(AssertionError):
+        register_split(96, 96, 144, 144, 24)  # 63K of a 640-thread launch's 60K: hung on an H200
+    assert register_split(168, 168, 152, 24) == (168, 168, 152, 24)  # the state passes' split: 64K of 64K
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,has_dht,block_v", [

@@ -20,9 +20,29 @@ LOADER_THREADS = 128
 # forward program holds 128 fp32 accumulator values per thread (S, U, O), prep up to
 # 96 (Kbar, Q K^T), the loader only issues TMA; ptxas reports no spills at this split.
 CHAIN_REGS, PREP_REGS, LOADER_REGS = 168, 152, 24
+REGISTERS_PER_SM = 65536
 STAGES = 2
 # Named barrier of the chain warpgroups alone (TileLang's own partial syncs of the chain use id 3 too).
 CHAIN_BARRIER = 3
+
+
+def register_split(*per_warpgroup):
+    """The ``set_max_nreg`` counts of a program's warpgroups, checked against what its launch holds.
+
+    A program of ``128 * len(per_warpgroup)`` threads is launched with one register count
+    for all, the most that fits an SM rounded down to the allocation unit of 8; raising a
+    warpgroup's count (``setmaxnreg.inc``) takes registers from that pool and waits until
+    they are free.  A split that needs more than the pool hangs the program (it did: a
+    640-thread forward asking for 63K of its 60K).
+    """
+    threads = 128 * len(per_warpgroup)
+    pool = REGISTERS_PER_SM // threads // 8 * 8 * threads
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in per_warpgroup), per_warpgroup
+    assert 128 * sum(per_warpgroup) <= pool, f"{per_warpgroup}: {128 * sum(per_warpgroup)} registers > {pool}"
+    return per_warpgroup
+
+
+register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # the roles above, one warpgroup each
 
 
 def head_columns(hv, group):
