@@ -40,7 +40,8 @@ for step in $steps; do
              | tail -30 || exit 1 ;;
     cp)    timeout 300 python -m pytest -m gpu -q -s -rf tests -k "context_parallel or segment_scan or long_sequence or training_step" 2>&1 \
              | grep -v "DEBUG\|INFO" | tail -25 ;;
-    tests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests 2>&1 \
+    tests) # the slowest tests listed (a first call compiles the programs the cache lacks)
+           timeout 540 python -m pytest -m gpu -q -rf --durations=15 --timeout 300 --timeout-method thread tests 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40 ;;
     bwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_backward.py 2>&1 \
              | tee "$OUT/gpu-tests-backward.log" | tail -30 ;;
@@ -61,8 +62,9 @@ for step in $steps; do
         grep -v INFO "$OUT/sanitize-$tool.log" | grep -i "error summary\|hazard\|relative\|finite" | head -20
       done ;;
     hazards) # racecheck's hazards one by one (threads, block, shared address) for the kernels named by
-             # HAZARD_KERNEL (a regex, default the local-gradient kernel), to narrow a report down
-      timeout 400 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 40 \
+             # HAZARD_KERNEL (a regex, default the local-gradient kernel), to narrow a report down;
+             # RACECHECK_OPTS: more options (--racecheck-trace-sync yes prints the barriers the tool sees)
+      timeout 400 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 40 ${RACECHECK_OPTS:-} \
         --kernel-name "regex=${HAZARD_KERNEL:-chunk_local_gradients}" python scripts/sanitize_kernels.py ${SANITIZE:-} \
         > "$OUT/hazards.log" 2>&1; echo "racecheck hazards: exit $?"
       grep -v INFO "$OUT/hazards.log" | head -60 ;;
