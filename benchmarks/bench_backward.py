@@ -101,7 +101,7 @@ def main():
             for parts in SPLITS for mode in args.modes.split(",")]
     if args.quick:
         grid = [g for g in grid if g[0] == (16, 32) and g[2] in (1, 8)]
-    drive("backward", grid, functools.partial(run, check=not args.no_check), args.out)
+    drive("backward", grid, functools.partial(run, check=not args.no_check), args.out, args.candidate)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@
     python benchmarks/bench_forward.py --heads 16x32 --lengths 8192x4,1x2048 --modes l2norm
 
 Peers (each a column, labelled by what really ran):
+  * ``flash-qla-tl@candidate`` (with ``--candidate DIR``): the same package from
+    another revision, e.g. ``git worktree add /tmp/b BRANCH`` then ``--candidate
+    /tmp/b/flash_qla_tl``, imported under its own name: an A/B of two revisions
+    on the same inputs in one process;
   * ``fla``: fla-core's Triton kernels with ``FLA_FLASH_QLA=0`` (set before import),
     so that fla does not hand the call to flash-qla;
   * ``flash-qla``: the flash-qla package's own ``chunk_gated_delta_rule``.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -54,8 +59,22 @@ D = 128
 FLOP_PER_TOKEN_HEAD = 176e3  # forward, DESIGN.md section 4
 
 
-def peers() -> dict:
+def load_candidate(package_dir: Path):
+    """The ``flash_qla_tl`` package at ``package_dir`` (another revision), imported as ``flash_qla_tl_candidate``
+    (the package imports itself relatively only, so the copy keeps to its own modules and compile cache)."""
+    name = "flash_qla_tl_candidate"
+    spec = importlib.util.spec_from_file_location(name, package_dir / "__init__.py",
+                                                  submodule_search_locations=[str(package_dir)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def peers(candidate: Path | None = None) -> dict:
     libs = {OURS: flash_qla_tl.chunk_gated_delta_rule}
+    if candidate:
+        libs[f"{OURS}@candidate"] = load_candidate(candidate).chunk_gated_delta_rule
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
         libs["fla"] = fla_fn
@@ -240,6 +259,8 @@ def cli(doc: str, tokens: list | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated input modes: normalized, l2norm")
     p.add_argument("--no-check", action="store_true",
                    help="skip checking each row's outputs (the forward: against float64; the backward: against ours)")
+    p.add_argument("--candidate", type=Path,
+                   help="a flash_qla_tl package directory of another revision, timed as its own column")
     if tokens:
         p.add_argument("--tokens", default=tokens, type=lambda s: [int(x) for x in s.split(",")],
                        help="comma-separated total token counts to run (default: the whole grid's)")
@@ -267,13 +288,14 @@ def single_problem(doc: str, heads: str, lengths: str, add_options=None):
     return args, (hqk, hv), make_problem(hqk, hv, parse_lengths(args.lengths))
 
 
-def drive(kind: str, grid: list, run, out: Path):
-    """Measure ``grid`` with ``run`` against the peers; write ``<kind>.json/.md/.png`` under ``out``."""
-    libs = peers()
+def drive(kind: str, grid: list, run, out: Path, candidate: Path | None = None):
+    """Measure ``grid`` with ``run`` against the peers (and ``candidate``, see ``load_candidate``); write
+    ``<kind>.json/.md/.png`` under ``out``."""
+    libs = peers(candidate)
     ceilings = measure_ceilings()
     meta = {"timer": "cuda-graph", "calls_per_graph": CALLS_PER_GRAPH, "gpu": torch.cuda.get_device_name(),
             "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
-            "ceilings": ceilings, **versions()}
+            "ceilings": ceilings, **versions(), **({"candidate": str(candidate)} if candidate else {})}
     print(json.dumps(meta))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -293,7 +315,7 @@ def main():
     grid = [(h, name, mode) for h in parse_heads(args.heads, HEADS) for name in lengths for mode in modes]
     if args.quick:
         grid = [g for g in grid if g[0] in ((2, 8), (16, 32)) and g[1] in ("1x32768", "8192x4")]
-    drive("forward", grid, functools.partial(run, check=not args.no_check), args.out)
+    drive("forward", grid, functools.partial(run, check=not args.no_check), args.out, args.candidate)
 
 
 if __name__ == "__main__":

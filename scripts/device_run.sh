@@ -48,7 +48,9 @@ for step in $steps; do
     plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | grep -v INFO \
              | tee "$OUT/plans.log" | tail -40 ;;
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
-    full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} \
+    # CANDIDATE (full, bwd): another revision's package directory (carried, e.g. .ab/flash_qla_tl from
+    # `git archive BRANCH flash_qla_tl | tar -x -C .ab`), timed as its own column beside ours
+    full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} ${CANDIDATE:+--candidate $CANDIDATE} \
              ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
     fwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_forward.py \
              ${FWD_TESTS_K:+-k "$FWD_TESTS_K"} 2>&1 \
@@ -68,7 +70,7 @@ for step in $steps; do
         --kernel-name "regex=${HAZARD_KERNEL:-chunk_local_gradients}" python scripts/sanitize_kernels.py ${SANITIZE:-} \
         > "$OUT/hazards.log" 2>&1; echo "racecheck hazards: exit $?"
       grep -v INFO "$OUT/hazards.log" | head -60 ;;
-    bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} \
+    bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} ${CANDIDATE:+--candidate $CANDIDATE} \
              ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
     bwdquick) python benchmarks/bench_backward.py --quick --out "$OUT/bench" 2>&1 \
