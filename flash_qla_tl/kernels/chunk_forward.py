@@ -58,7 +58,7 @@ row r depends on its left operand's row r only).
 
 from .chunk_pipeline import (
     CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
-    head_columns, load_gates, zero_rows_past,
+    head_columns, load_gates, register_split, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
@@ -91,6 +91,7 @@ def build_chunk_forward(
     assert block_v in (32, 64, 128), block_v
     group = num_v_heads // num_qk_heads
     accum = "float32"
+    register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")

@@ -42,8 +42,6 @@ def register_split(*per_warpgroup):
     return per_warpgroup
 
 
-register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # the roles above, one warpgroup each
-
 
 def head_columns(hv, group):
     """``(hk, h0, hg, hk0, hkn)`` for value head ``hv``: its q/k head, and where the per-token fp32 values

@@ -33,7 +33,7 @@ rows are selects to 0 (A_keys rows past a sequence's end may hold anything).
 
 from .chunk_pipeline import (
     CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
-    head_columns, load_gates, zero_rows_past,
+    head_columns, load_gates, register_split, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
@@ -56,6 +56,7 @@ def build_reverse_state_pass(
     assert C == 64 and num_v_heads % num_qk_heads == 0 and V % block_v == 0 and block_v <= 64
     group = num_v_heads // num_qk_heads
     accum = "float32"
+    register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")
