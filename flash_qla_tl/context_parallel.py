@@ -31,6 +31,8 @@ from . import planning
 CHUNK = 64
 MIN_SEGMENTS = 4  # three passes must buy at least 4x the parallelism
 MIN_SEGMENT_TOKENS = 1024  # shorter segments make the scan dominate
+WIDE_SEGMENTS = 8  # whole-head programs split at least this finely: see wide_segment_length
+WIDE_SEGMENT_TOKENS = 2048
 
 
 def num_sms(device: torch.device) -> int:
@@ -55,6 +57,22 @@ def segment_length(total_tokens: int, num_seqs: int, num_programs: int, sms: int
 def split_length(total_tokens: int, num_seqs: int, split: int) -> int:
     """Tokens per segment (a multiple of 64) that cut a sequence of the mean length into ``split`` segments."""
     mean_length = -(-total_tokens // num_seqs)
+    return -(-mean_length // (split * CHUNK)) * CHUNK
+
+
+def wide_segment_length(total_tokens: int, num_seqs: int, heads: int, sms: int) -> int | None:
+    """Tokens per segment for whole-head (128-column) programs, when they split into at least
+    ``WIDE_SEGMENTS`` segments of ``WIDE_SEGMENT_TOKENS`` or more that all fit on the SMs at once; else None.
+
+    ``heads`` is the number of (sequence, value head) pairs.  Three passes of 128-column
+    programs beat one pass of narrow ones only with that many segments (H200, CUDA graphs,
+    ``benchmarks/compare_plans.py``, BENCHMARKS.md: (2,8) 1x32768 0.546 ms at 16 segments
+    against 0.888 at 4 segments of 32 columns; at 4 segments they lost or tied).
+    """
+    mean_length = -(-total_tokens // num_seqs)
+    split = min(sms // heads, mean_length // WIDE_SEGMENT_TOKENS)
+    if split < WIDE_SEGMENTS:
+        return None
     return -(-mean_length // (split * CHUNK)) * CHUNK
 
 

@@ -91,12 +91,19 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
     wave.  So: the narrowest width whose programs fit on the SMs at once, else
     ``widest`` (the backward's reverse pass takes at most 64 columns).  Context
     parallelism (three passes) comes on top where even that leaves most SMs
-    idle.  (H200 measurements of every choice: ``benchmarks/compare_plans.py``,
+    idle; but first, where whole-head (128-column) programs split into at least
+    ``context_parallel.WIDE_SEGMENTS`` segments each, that plan wins: a
+    128-column program retires four times the columns of a 32-column one in
+    about 1.3x the time per chunk.  (H200 measurements of every choice: ``benchmarks/compare_plans.py``,
     BENCHMARKS.md.)  ``sms``: the SMs the pass has to itself (default all; the
     backward's two walks run side by side).
     """
     sms = sms or context_parallel.num_sms(device)
     heads = num_v_heads * num_seqs
+    if widest == HEAD_DIM:
+        wide = context_parallel.wide_segment_length(total_tokens, num_seqs, heads, sms)
+        if wide is not None:
+            return StatePassPlan(HEAD_DIM, wide)
     block_v = one_wave_width([b for b in BLOCK_WIDTHS if b <= widest], heads, sms)
     programs = (HEAD_DIM // block_v) * heads
     return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))

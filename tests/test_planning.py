@@ -95,10 +95,12 @@ def test_segment_chunk_table_has_the_sequence_chunks_with_segment_slots():
     # One 32K sequence at 32 value heads: 128 programs of 32 columns fill the GPU alone, but
     # the two walks run at once on half the SMs each, so each takes 64 programs of 64 columns.
     (32, 1, hopper_forward.StatePassPlan(32, None), hopper_forward.StatePassPlan(64, None)),
-    # Few heads, one sequence: still split into segments on half the GPU.
-    (4, 1, hopper_forward.StatePassPlan(32, 4096), hopper_forward.StatePassPlan(32, 8192)),
-    # Two sequences at 4 heads: the forward splits, the walks (32 programs each) do not.
-    (4, 2, hopper_forward.StatePassPlan(32, 4096), hopper_forward.StatePassPlan(32, None)),
+    # Few heads, one sequence: the forward takes whole-head programs in 16 segments; the walks
+    # (at most 64 columns) still split into segments on half the GPU.
+    (4, 1, hopper_forward.StatePassPlan(128, 2048), hopper_forward.StatePassPlan(32, 8192)),
+    # Two sequences at 4 heads: the forward splits (8 whole-head segments each), the walks
+    # (32 programs each) do not.
+    (4, 2, hopper_forward.StatePassPlan(128, 2048), hopper_forward.StatePassPlan(32, None)),
     # Four sequences at 32 heads: 128 programs of 128 columns fill the GPU in one wave, where
     # narrower ones would take two; the walks stop at 64 columns, the reverse pass's widest.
     (32, 4, hopper_forward.StatePassPlan(128, None), hopper_forward.StatePassPlan(64, None)),
@@ -107,6 +109,19 @@ def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeyp
     monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
     assert hopper_forward.plan_state_pass(32768, seqs, heads, None) == forward
     assert hopper_backward.plan_walks(32768, seqs, heads, None) == walks
+
+
+@pytest.mark.parametrize("total, seqs, heads, plan", [
+    (32768, 1, 8, hopper_forward.StatePassPlan(128, 2048)),  # 16 segments of whole heads
+    (32768, 2, 8, hopper_forward.StatePassPlan(128, 2048)),  # 8 segments per sequence
+    (32768, 1, 16, hopper_forward.StatePassPlan(128, 4096)),
+    (32768, 2, 16, hopper_forward.StatePassPlan(32, None)),  # 4 wide segments lose to 32 columns
+    # whole-head segments would be shorter than 2048 tokens: 32 columns in 4 segments, as before
+    (8192, 1, 8, hopper_forward.StatePassPlan(32, 2048)),
+])
+def test_whole_head_segments_where_they_split_finely(total, seqs, heads, plan, monkeypatch):
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
+    assert hopper_forward.plan_state_pass(total, seqs, heads, None) == plan
 
 
 @pytest.mark.parametrize("seqs, heads, block_v", [
