@@ -20,7 +20,9 @@ by 16 x 16 blocks, all in fp32 CUDA-core arithmetic: the four diagonal blocks
 ``X_ii = (I + M_ii)^-1`` by forward substitution (one thread per column, 120
 FMAs), then the blocks below the diagonal level by level (``i - j = 1, 2, 3``),
 ``X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj``, one warp per block with 4 x 2
-register micro-tiles.  There is no power series and no assumption on the size of
+register micro-tiles.  The solve is bound by shared-memory bandwidth (ncu:
+L1/shared throughput 96% on an H200), so its operands are laid out for
+conflict-free loads (``M`` transposed, ``X`` with padded rows).  There is no power series and no assumption on the size of
 ``M``, so keys need not be normalised and beta may reach 2; the rounding error is
 that of fp32 forward substitution (same class, checked against float64).  Only
 the Gram matrix goes through the tensor cores (``dtype`` operands, whose products
@@ -65,6 +67,9 @@ def build_chunk_prep(
     v_heads_per_qk_head = num_v_heads // num_qk_heads
     C = chunk
     B = 16  # block size of the blocked inverse
+    # Row stride of X in floats: 2 mod 32 spreads four neighbouring rows over banks
+    # 0, 2, 4, 6; even, so rows stay 8-byte aligned for the epilogue's float2 loads.
+    ROW_STRIDE = C + 2
     # One warpgroup, because the Gram matrix is a single 64 x 64 wgmma tile.
     threads = 128
     accum = "float32"
@@ -74,7 +79,7 @@ def build_chunk_prep(
     num_inverse_rows = T.dynamic("num_inverse_rows")
 
     @T.macro
-    def invert_diagonal_blocks(M, X, x, thread):
+    def invert_diagonal_blocks(Mt, X, x, thread):
         """``X_bb <- (I + M_bb)^-1`` for the four 16 x 16 diagonal blocks (threads 0..63).
 
         Thread ``t`` solves column ``c = t % 16`` of block ``b = t // 16`` by forward
@@ -86,30 +91,33 @@ def build_chunk_prep(
         for r in T.unroll(B):
             x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
             for j in T.unroll(r):
-                x[r] -= M[b * B + r, b * B + j] * x[j]
+                x[r] -= Mt[b * B + j, b * B + r] * x[j]
         for r in T.unroll(B):
             X[b * B + r, b * B + c] = x[r]
 
     @T.macro
-    def block_sums(M, X, P, acc, thread, level):
+    def block_sums(Mt, X, P, acc, thread, level):
         """``P_p = sum_{k=j}^{i-1} M_ik X_kj`` for the pairs ``(i, j) = (level + p, p)``.
 
-        32 threads (one warp) per pair, each a 4 x 2 micro-tile; the k range has the
-        constant length ``16 * level`` because ``i - j == level``.
+        32 threads (one warp) per pair, each a 4 x 2 micro-tile: rows ``g + 4 a`` of
+        the block for lane group ``g = lane // 8`` (interleaved, so that one load
+        instruction reads four neighbouring rows of ``M``, i.e. neighbouring floats of
+        ``Mt``, in four different banks), columns ``2 (lane % 8) + e``.  The k
+        range has the constant length ``16 * level`` because ``i - j == level``.
         """
         p = thread // 32
         lane = thread % 32
-        r0 = (level + p) * B + (lane // 8) * 4
+        r0 = (level + p) * B + lane // 8
         c0 = p * B + (lane % 8) * 2
         for a in T.unroll(8):
             acc[a] = T.float32(0)
         for kk in T.unroll(B * level):
             for a in T.unroll(4):
                 for e in T.unroll(2):
-                    acc[a * 2 + e] += M[r0 + a, p * B + kk] * X[p * B + kk, c0 + e]
+                    acc[a * 2 + e] += Mt[p * B + kk, r0 + 4 * a] * X[p * B + kk, c0 + e]
         for a in T.unroll(4):
             for e in T.unroll(2):
-                P[p * B + (lane // 8) * 4 + a, (lane % 8) * 2 + e] = acc[a * 2 + e]
+                P[p * B + lane // 8 + 4 * a, (lane % 8) * 2 + e] = acc[a * 2 + e]
 
     @T.macro
     def block_products(X, P, acc, thread, level):
@@ -117,23 +125,23 @@ def build_chunk_prep(
         p = thread // 32
         lane = thread % 32
         i = level + p
-        r0 = i * B + (lane // 8) * 4
+        r0 = i * B + lane // 8
         c0 = p * B + (lane % 8) * 2
         for a in T.unroll(8):
             acc[a] = T.float32(0)
         for kk in T.unroll(B):
             for a in T.unroll(4):
                 for e in T.unroll(2):
-                    acc[a * 2 + e] -= X[r0 + a, i * B + kk] * P[p * B + kk, (lane % 8) * 2 + e]
+                    acc[a * 2 + e] -= X[r0 + 4 * a, i * B + kk] * P[p * B + kk, (lane % 8) * 2 + e]
         for a in T.unroll(4):
             for e in T.unroll(2):
-                X[r0 + a, c0 + e] = acc[a * 2 + e]
+                X[r0 + 4 * a, c0 + e] = acc[a * 2 + e]
 
     @T.macro
-    def off_diagonal_level(M, X, P, acc, thread, level):
+    def off_diagonal_level(Mt, X, P, acc, thread, level):
         """All blocks ``X_ij`` with ``i - j == level``: ``4 - level`` pairs, one warp each."""
         if thread < 32 * (C // B - level):
-            block_sums(M, X, P, acc, thread, level)
+            block_sums(Mt, X, P, acc, thread, level)
         T.sync_threads()
         if thread < 32 * (C // B - level):
             block_products(X, P, acc, thread, level)
@@ -145,7 +153,7 @@ def build_chunk_prep(
 
         Thread ``t`` owns the 8 adjacent columns ``J = 8 (t % 8) + [0, 8)`` of the rows
         ``t // 8 + 16 i``: its column factors (``beta_j``, ``beta_j rk_j``, ``gamma_j``)
-        stay in registers, ``X`` comes in 16-byte loads and every output row segment
+        stay in registers, ``X`` comes in 8-byte loads and every output row segment
         leaves in one 16-byte store (8 threads write a row's 128 contiguous bytes).
         ``A[r, j] = A0[r, j] beta_j`` is zero above the block diagonal (never written
         in ``X``: a select, so stale shared memory cannot leak in); ``E`` would
@@ -165,8 +173,9 @@ def build_chunk_prep(
             col_gamma[e] = gamma_tile[j0 + e] * LOG2_E
         for i in T.unroll(C // 16):
             r = thread // 8 + 16 * i
-            for e in T.vectorized(8):
-                x_row[e] = X[r, j0 + e]
+            for h in T.unroll(4):  # 8-byte loads: padded rows are 8-byte aligned only
+                for e in T.vectorized(2):
+                    x_row[2 * h + e] = X[r, j0 + 2 * h + e]
             for e in T.unroll(8):
                 below = (j0 + e) // B <= r // B
                 keys_row[e] = T.cast(T.if_then_else(below, row_gate[r] * x_row[e] * col_key[e], T.float32(0)), dtype)
@@ -200,7 +209,7 @@ def build_chunk_prep(
         A_inverse: T.Tensor([num_inverse_rows, num_v_heads, C], dtype),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
-            # ~80 registers and ~36 KB of shared memory: 6 blocks fit on an SM; more
+            # ~75 registers and ~36.5 KB of shared memory: 6 blocks fit on an SM; more
             # blocks in flight hide the k loads, A stores and short solves of the others.
             T.annotate_min_blocks_per_sm(6)
             k_tile = T.alloc_shared([C, head_dim], dtype)
@@ -210,10 +219,13 @@ def build_chunk_prep(
             gamma_tile = T.alloc_shared([C], accum)
             row_gate = T.alloc_shared([C], accum)  # -exp(gamma_r): A_keys' row factor
             gram = T.alloc_fragment([C, C], accum)
-            # diag(beta) K K^T; its strictly lower part is M, the rest is never read.
-            M = T.alloc_shared([C, C], accum)
+            # M transposed, Mt[j, r] = M[r, j], where M = diag(beta) K K^T (strictly lower part
+            # read only): the micro-tiles read four neighbouring rows of M in one column, which
+            # transposed are four neighbouring floats (four banks; row-major, one bank).
+            Mt = T.alloc_shared([C, C], accum)
             # A0 = (I + M)^-1, block lower triangular; blocks above the diagonal are never written.
-            X = T.alloc_shared([C, C], accum)
+            # Rows padded to ROW_STRIDE floats, for the same reason (X_ii is a left operand too).
+            X = T.alloc_shared([C, ROW_STRIDE], accum)
             # One 16 x 16 block of sums per pair of a level (at most 3 pairs).
             P = T.alloc_shared([3 * B, B], accum)
             x = T.alloc_local([B], accum)
@@ -241,20 +253,21 @@ def build_chunk_prep(
                         gamma[s + r, head] = gamma_tile[r] * LOG2_E
 
                 T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
+                # K K^T is symmetric: Mt[r, j] = M[j, r] from the accumulator's own (r, j).
                 for r, j in T.Parallel(C, C):
-                    M[r, j] = beta_tile[r] * k_scale[r] * k_scale[j] * gram[r, j]
+                    Mt[r, j] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
                 T.sync_threads()
 
                 # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
                 # X_ii = (I + M_ii)^-1, then level by level (i - j = 1, 2, 3)
                 # X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj.  All fp32 CUDA-core FMAs.
                 if thread < C:
-                    invert_diagonal_blocks(M, X, x, thread)
+                    invert_diagonal_blocks(Mt, X, x, thread)
                 T.sync_threads()
                 # Written out per level so that every k loop has a constant length.
-                off_diagonal_level(M, X, P, acc, thread, 1)
-                off_diagonal_level(M, X, P, acc, thread, 2)
-                off_diagonal_level(M, X, P, acc, thread, 3)
+                off_diagonal_level(Mt, X, P, acc, thread, 1)
+                off_diagonal_level(Mt, X, P, acc, thread, 2)
+                off_diagonal_level(Mt, X, P, acc, thread, 3)
 
                 write_operands(X, beta_tile, k_scale, gamma_tile, row_gate, A_keys, A_values, A_inverse, s, n, head,
                                thread)
@@ -262,6 +275,6 @@ def build_chunk_prep(
     return chunk_prep
 
 
-# Shared memory by liveness: M takes the key tile's space once the Gram matrix has read
-# it, so a program keeps to 36 KB, six per SM.
+# Shared memory by liveness: Mt takes the key tile's space once the Gram matrix has read
+# it, so a program keeps to 36.5 KB, six per SM.
 build_chunk_prep.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
