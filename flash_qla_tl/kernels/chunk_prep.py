@@ -78,6 +78,16 @@ def build_chunk_prep(
     num_chunks = T.dynamic("num_chunks")
     num_inverse_rows = T.dynamic("num_inverse_rows")
 
+    def swizzled(row, col):
+        """Where column ``col`` of row ``row`` of ``Mt`` is stored: bits 2-4 flipped by the row's low 3 bits.
+
+        The accumulator's stores write 8 rows in one column pair per instruction (same
+        bank, 8-way); flipped, they spread over the banks.  Pairs stay adjacent (bit 0
+        untouched: 8-byte stores), and a row's four neighbouring floats (the
+        micro-tiles' loads) stay in four banks.
+        """
+        return col ^ ((row % 8) * 4)
+
     @T.macro
     def invert_diagonal_blocks(Mt, X, x, thread):
         """``X_bb <- (I + M_bb)^-1`` for the four 16 x 16 diagonal blocks (threads 0..63).
@@ -91,7 +101,7 @@ def build_chunk_prep(
         for r in T.unroll(B):
             x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
             for j in T.unroll(r):
-                x[r] -= Mt[b * B + j, b * B + r] * x[j]
+                x[r] -= Mt[b * B + j, swizzled(b * B + j, b * B + r)] * x[j]
         for r in T.unroll(B):
             X[b * B + r, b * B + c] = x[r]
 
@@ -114,7 +124,7 @@ def build_chunk_prep(
         for kk in T.unroll(B * level):
             for a in T.unroll(4):
                 for e in T.unroll(2):
-                    acc[a * 2 + e] += Mt[p * B + kk, r0 + 4 * a] * X[p * B + kk, c0 + e]
+                    acc[a * 2 + e] += Mt[p * B + kk, swizzled(p * B + kk, r0 + 4 * a)] * X[p * B + kk, c0 + e]
         for a in T.unroll(4):
             for e in T.unroll(2):
                 P[p * B + lane // 8 + 4 * a, (lane % 8) * 2 + e] = acc[a * 2 + e]
@@ -222,6 +232,7 @@ def build_chunk_prep(
             # M transposed, Mt[j, r] = M[r, j], where M = diag(beta) K K^T (strictly lower part
             # read only): the micro-tiles read four neighbouring rows of M in one column, which
             # transposed are four neighbouring floats (four banks; row-major, one bank).
+            # Columns stored swizzled (``swizzled``).
             Mt = T.alloc_shared([C, C], accum)
             # A0 = (I + M)^-1, block lower triangular; blocks above the diagonal are never written.
             # Rows padded to ROW_STRIDE floats, for the same reason (X_ii is a left operand too).
@@ -255,7 +266,7 @@ def build_chunk_prep(
                 T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
                 # K K^T is symmetric: Mt[r, j] = M[j, r] from the accumulator's own (r, j).
                 for r, j in T.Parallel(C, C):
-                    Mt[r, j] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
+                    Mt[r, swizzled(r, j)] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
                 T.sync_threads()
 
                 # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
