@@ -71,9 +71,7 @@ def wide_segment_length(total_tokens: int, num_seqs: int, heads: int, sms: int) 
     """
     mean_length = -(-total_tokens // num_seqs)
     split = min(sms // heads, mean_length // WIDE_SEGMENT_TOKENS)
-    if split < WIDE_SEGMENTS:
-        return None
-    return -(-mean_length // (split * CHUNK)) * CHUNK
+    return split_length(total_tokens, num_seqs, split) if split >= WIDE_SEGMENTS else None
 
 
 def segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int):
