@@ -112,14 +112,16 @@ def build_chunk_forward(
     num_chunk_slots = T.dynamic("NC")
 
     @T.macro
-    def prepare_chunk(c, seqlen, hg, hkn, scale, inputs, made, loaded, prepared, kbar_read, kbar, qk, k_decayed):
+    def prepare_chunk(c, seqlen, hg, hkn, scale, inputs, made, loaded, prepared, kbar_read, kbar, qk, k_decayed,
+                      kbar_slot):
         """Prep's work for chunk ``c``: ``Kbar``, ``P``, the gate vectors, ``Kd``.
 
         ``inputs``: the input ring ``(q, k, v, A_keys, gamma, q norms, k norms)``;
-        ``made``: what prep fills ``(P, out_gate, decay_to_end, chunk_decay, Kbar slots)``.
+        ``made``: what prep fills in the ring ``(P, out_gate, decay_to_end, chunk_decay)``; ``kbar_slot``:
+        this prep group's Kbar buffer.
         """
         q_tile, k_tile, v_tile, a_keys_tile, gamma_tile, q_scale, k_scale = inputs
-        p_op, out_gate, decay_to_end, chunk_decay, kbar_op = made
+        p_op, out_gate, decay_to_end, chunk_decay = made
         st = c % STAGES
         n = T.min(seqlen - c * C, C)
         # Stage st of the operand ring was last read for chunk c - 2; the loader
@@ -164,7 +166,7 @@ def build_chunk_forward(
                 T.barrier_wait(kbar_read, (c - 1) % 2)
         # (Two groups: a slot per stage, last read by the chain's chunk c - 2, which
         # released this stage before the loader refilled it.)
-        T.copy(kbar, kbar_op[c % prep_groups, :, :])
+        T.copy(kbar, kbar_slot)
         # The chain reads these (and the zeroed v rows) with wgmma, the async proxy.
         T.fence_proxy_async()
         T.barrier_arrive(prepared[st])
@@ -204,7 +206,9 @@ def build_chunk_forward(
             k_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             # State-independent operands, filled by prep: Kbar in one slot per prep group,
             # the rest in a ring (same stage index as the inputs).
-            kbar_op = T.alloc_shared([prep_groups, C, K], dtype)  # Ak K
+            # Ak K, one 2-D buffer per prep group: a copy into a slice of a 3-D buffer lowers to
+            # 4-byte stores (32 per thread), into a whole 2-D one to stmatrix (8).
+            kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(prep_groups)]
             p_op = T.alloc_shared([STAGES, C, C], dtype)  # scale (Q K^T) o E
             out_gate = T.alloc_shared([STAGES, C], accum)  # scale exp2(gamma_r) rq_r, 0 past n
             decay_to_end = T.alloc_shared([STAGES, C], accum)  # exp2(gamma_last - gamma_r) rk_r, 0 past n
@@ -228,7 +232,7 @@ def build_chunk_forward(
             qk = [T.alloc_fragment([C, C], accum) for _ in range(prep_groups)]
             k_decayed = [T.alloc_fragment([C, K], dtype) for _ in range(prep_groups)]
             inputs = (q_tile, k_tile, v_tile, a_keys_tile, gamma_tile, q_scale, k_scale)
-            made = (p_op, out_gate, decay_to_end, chunk_decay, kbar_op)
+            made = (p_op, out_gate, decay_to_end, chunk_decay)
 
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
@@ -251,7 +255,12 @@ def build_chunk_forward(
                     # while the state goes to shared memory.
                     T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
                     T.copy(state, state_op)
-                    T.wgmma_gemm(kbar_op[c % prep_groups, :, :], state_op, u)
+                    if prep_groups == 1:
+                        T.wgmma_gemm(kbar_op[0], state_op, u)
+                    elif c % 2 == 0:  # a GEMM's operand is one whole buffer: pick by the chunk's prep group
+                        T.wgmma_gemm(kbar_op[0], state_op, u)
+                    else:
+                        T.wgmma_gemm(kbar_op[1], state_op, u)
                     if store_output:
                         T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
                         T.wait_wgmma(1)
@@ -307,13 +316,13 @@ def build_chunk_forward(
                 T.set_max_nreg(prep_regs, 1)
                 for i in T.serial(T.ceildiv(num_chunks, prep_groups)):  # chunks 0, 1, 2, ... or 0, 2, 4, ...
                     prepare_chunk(i * prep_groups, seqlen, hg, hkn, scale, inputs, made, loaded, prepared, kbar_read,
-                                  kbar[0], qk[0], k_decayed[0])
+                                  kbar[0], qk[0], k_decayed[0], kbar_op[0])
             elif tx < CHAIN_THREADS + prep_groups * PREP_THREADS:
                 if prep_groups == 2:  # the second prep group: chunks 1, 3, 5, ...
                     T.set_max_nreg(prep_regs, 1)
                     for i in T.serial(T.ceildiv(num_chunks - 1, 2)):
                         prepare_chunk(2 * i + 1, seqlen, hg, hkn, scale, inputs, made, loaded, prepared, kbar_read,
-                                      kbar[-1], qk[-1], k_decayed[-1])
+                                      kbar[-1], qk[-1], k_decayed[-1], kbar_op[-1])
             else:
                 T.set_max_nreg(LOADER_REGS, 0)
                 for c in T.serial(num_chunks):
