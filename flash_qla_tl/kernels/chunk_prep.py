@@ -20,10 +20,11 @@ by 16 x 16 blocks, all in fp32 CUDA-core arithmetic: the four diagonal blocks
 ``X_ii = (I + M_ii)^-1`` by forward substitution (one thread per column, 120
 FMAs), then the blocks below the diagonal level by level (``i - j = 1, 2, 3``),
 ``X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj``, one warp per block with 4 x 2
-register micro-tiles.  The solve is bound by shared-memory bandwidth (ncu:
-L1/shared throughput 96% on an H200), so its operands are laid out for
-conflict-free loads (``M`` transposed, ``X`` with padded rows).  There is no power series and no assumption on the size of
-``M``, so keys need not be normalised and beta may reach 2; the rounding error is
+register micro-tiles.  The solve keeps the load/store pipe busy (ncu: L1/shared
+throughput 96% on an H200), so its left operands (``M``, and ``X_ii`` in ``M``'s
+dead diagonal blocks) are stored transposed: a micro-tile's four rows in one
+column are one 16-byte load, conflict-free.  There is no power series and no
+assumption on the size of ``M``, so keys need not be normalised and beta may reach 2; the rounding error is
 that of fp32 forward substitution (same class, checked against float64).  Only
 the Gram matrix goes through the tensor cores (``dtype`` operands, whose products
 are exact in fp32, with fp32 accumulation).
@@ -67,9 +68,7 @@ def build_chunk_prep(
     v_heads_per_qk_head = num_v_heads // num_qk_heads
     C = chunk
     B = 16  # block size of the blocked inverse
-    # Row stride of X in floats: 2 mod 32 spreads four neighbouring rows over banks
-    # 0, 2, 4, 6; even, so rows stay 8-byte aligned for the epilogue's float2 loads.
-    ROW_STRIDE = C + 2
+    G = 4  # floats per group of M^T's columns: a micro-tile's four rows, one 16-byte load
     # One warpgroup, because the Gram matrix is a single 64 x 64 wgmma tile.
     threads = 128
     accum = "float32"
@@ -78,19 +77,17 @@ def build_chunk_prep(
     num_chunks = T.dynamic("num_chunks")
     num_inverse_rows = T.dynamic("num_inverse_rows")
 
-    def swizzled(row, col):
-        """Where column ``col`` of row ``row`` of ``Mt`` is stored: bits 2-4 flipped by the row's low 3 bits.
-
-        The accumulator's stores write 8 rows in one column pair per instruction (same
-        bank, 8-way); flipped, they spread over the banks.  Pairs stay adjacent (bit 0
-        untouched: 8-byte stores), and a row's four neighbouring floats (the
-        micro-tiles' loads) stay in four banks.
-        """
-        return col ^ ((row % 8) * 4)
+    def group_of(row, col):
+        """Where group ``col // G`` of row ``row`` of ``Mt`` is stored: the group index XOR the row's
+        low 3 bits.  The accumulator's stores write 8 rows of one column pair per
+        instruction (without it the same banks, 8-way); a group stays 16 contiguous bytes."""
+        return (col // G) ^ (row % 8)
 
     @T.macro
     def invert_diagonal_blocks(Mt, X, x, thread):
-        """``X_bb <- (I + M_bb)^-1`` for the four 16 x 16 diagonal blocks (threads 0..63).
+        """``X_bb <- (I + M_bb)^-1`` for the four 16 x 16 diagonal blocks (threads 0..63), stored twice:
+        in ``X``, and transposed over ``M_bb`` in ``Mt`` (dead once read here), as ``block_products``'
+        left operand.
 
         Thread ``t`` solves column ``c = t % 16`` of block ``b = t // 16`` by forward
         substitution, ``x_r = [r == c] - sum_{j < r} M_bb[r, j] x_j`` (120 fp32 FMAs);
@@ -98,54 +95,72 @@ def build_chunk_prep(
         """
         b = thread // B
         c = thread % B
-        for r in T.unroll(B):
-            x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
-            for j in T.unroll(r):
-                x[r] -= Mt[b * B + j, swizzled(b * B + j, b * B + r)] * x[j]
-        for r in T.unroll(B):
-            X[b * B + r, b * B + c] = x[r]
+        if thread < C:
+            for r in T.unroll(B):
+                x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+                for j in T.unroll(r):
+                    x[r] -= Mt[b * B + j, group_of(b * B + j, b * B + r), r % G] * x[j]
+        T.sync_threads()  # every thread has read M_bb
+        if thread < C:
+            for r in T.unroll(B):
+                X[b * B + r, b * B + c] = x[r]
+            for q in T.unroll(B // G):
+                for a in T.vectorized(G):
+                    Mt[b * B + c, group_of(b * B + c, b * B + G * q), a] = x[G * q + a]
 
     @T.macro
     def block_sums(Mt, X, P, acc, thread, level):
         """``P_p = sum_{k=j}^{i-1} M_ik X_kj`` for the pairs ``(i, j) = (level + p, p)``.
 
-        32 threads (one warp) per pair, each a 4 x 2 micro-tile: rows ``g + 4 a`` of
-        the block for lane group ``g = lane // 8`` (interleaved, so that one load
-        instruction reads four neighbouring rows of ``M``, i.e. neighbouring floats of
-        ``Mt``, in four different banks), columns ``2 (lane % 8) + e``.  The k
-        range has the constant length ``16 * level`` because ``i - j == level``.
+        32 threads (one warp) per pair, each a 4 x 2 micro-tile: rows ``4 g + a`` of the
+        block for lane group ``g = lane // 8``, columns ``2 (lane % 8) + e``.  Per k, one
+        16-byte load of ``M``'s four rows (a group of ``Mt``; the warp's four groups are
+        64 contiguous bytes) and one 8-byte load of ``X``.  The k range has the constant
+        length ``16 * level`` because ``i - j == level``.
         """
         p = thread // 32
         lane = thread % 32
-        r0 = (level + p) * B + lane // 8
+        r0 = (level + p) * B + (lane // 8) * G
         c0 = p * B + (lane % 8) * 2
+        m = T.alloc_local([G], accum)
+        xs = T.alloc_local([2], accum)
         for a in T.unroll(8):
             acc[a] = T.float32(0)
         for kk in T.unroll(B * level):
-            for a in T.unroll(4):
+            for a in T.vectorized(G):
+                m[a] = Mt[p * B + kk, group_of(p * B + kk, r0), a]
+            for e in T.vectorized(2):
+                xs[e] = X[p * B + kk, c0 + e]
+            for a in T.unroll(G):
                 for e in T.unroll(2):
-                    acc[a * 2 + e] += Mt[p * B + kk, swizzled(p * B + kk, r0 + 4 * a)] * X[p * B + kk, c0 + e]
-        for a in T.unroll(4):
+                    acc[a * 2 + e] += m[a] * xs[e]
+        for a in T.unroll(G):
             for e in T.unroll(2):
-                P[p * B + lane // 8 + 4 * a, (lane % 8) * 2 + e] = acc[a * 2 + e]
+                P[p * B + (lane // 8) * G + a, (lane % 8) * 2 + e] = acc[a * 2 + e]
 
     @T.macro
-    def block_products(X, P, acc, thread, level):
-        """``X_ij <- -X_ii P_p`` for the same pairs and micro-tiles (``X_ii`` lower triangular)."""
+    def block_products(Mt, X, P, acc, thread, level):
+        """``X_ij <- -X_ii P_p`` for the same pairs and micro-tiles, ``X_ii`` read transposed from ``Mt``."""
         p = thread // 32
         lane = thread % 32
         i = level + p
-        r0 = i * B + lane // 8
+        r0 = i * B + (lane // 8) * G
         c0 = p * B + (lane % 8) * 2
+        xt = T.alloc_local([G], accum)
+        ps = T.alloc_local([2], accum)
         for a in T.unroll(8):
             acc[a] = T.float32(0)
         for kk in T.unroll(B):
-            for a in T.unroll(4):
+            for a in T.vectorized(G):
+                xt[a] = Mt[i * B + kk, group_of(i * B + kk, r0), a]
+            for e in T.vectorized(2):
+                ps[e] = P[p * B + kk, (lane % 8) * 2 + e]
+            for a in T.unroll(G):
                 for e in T.unroll(2):
-                    acc[a * 2 + e] -= X[r0 + 4 * a, i * B + kk] * P[p * B + kk, (lane % 8) * 2 + e]
-        for a in T.unroll(4):
+                    acc[a * 2 + e] -= xt[a] * ps[e]
+        for a in T.unroll(G):
             for e in T.unroll(2):
-                X[r0 + 4 * a, c0 + e] = acc[a * 2 + e]
+                X[r0 + a, c0 + e] = acc[a * 2 + e]
 
     @T.macro
     def off_diagonal_level(Mt, X, P, acc, thread, level):
@@ -154,7 +169,7 @@ def build_chunk_prep(
             block_sums(Mt, X, P, acc, thread, level)
         T.sync_threads()
         if thread < 32 * (C // B - level):
-            block_products(X, P, acc, thread, level)
+            block_products(Mt, X, P, acc, thread, level)
         T.sync_threads()
 
     @T.macro
@@ -163,7 +178,7 @@ def build_chunk_prep(
 
         Thread ``t`` owns the 8 adjacent columns ``J = 8 (t % 8) + [0, 8)`` of the rows
         ``t // 8 + 16 i``: its column factors (``beta_j``, ``beta_j rk_j``, ``gamma_j``)
-        stay in registers, ``X`` comes in 8-byte loads and every output row segment
+        stay in registers, ``X`` comes in 16-byte loads and every output row segment
         leaves in one 16-byte store (8 threads write a row's 128 contiguous bytes).
         ``A[r, j] = A0[r, j] beta_j`` is zero above the block diagonal (never written
         in ``X``: a select, so stale shared memory cannot leak in); ``E`` would
@@ -183,9 +198,8 @@ def build_chunk_prep(
             col_gamma[e] = gamma_tile[j0 + e] * LOG2_E
         for i in T.unroll(C // 16):
             r = thread // 8 + 16 * i
-            for h in T.unroll(4):  # 8-byte loads: padded rows are 8-byte aligned only
-                for e in T.vectorized(2):
-                    x_row[2 * h + e] = X[r, j0 + 2 * h + e]
+            for e in T.vectorized(8):
+                x_row[e] = X[r, j0 + e]
             for e in T.unroll(8):
                 below = (j0 + e) // B <= r // B
                 keys_row[e] = T.cast(T.if_then_else(below, row_gate[r] * x_row[e] * col_key[e], T.float32(0)), dtype)
@@ -219,7 +233,7 @@ def build_chunk_prep(
         A_inverse: T.Tensor([num_inverse_rows, num_v_heads, C], dtype),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
-            # ~75 registers and ~36.5 KB of shared memory: 6 blocks fit on an SM; more
+            # ~80 registers and ~36 KB of shared memory: 6 blocks fit on an SM; more
             # blocks in flight hide the k loads, A stores and short solves of the others.
             T.annotate_min_blocks_per_sm(6)
             k_tile = T.alloc_shared([C, head_dim], dtype)
@@ -230,13 +244,11 @@ def build_chunk_prep(
             row_gate = T.alloc_shared([C], accum)  # -exp(gamma_r): A_keys' row factor
             gram = T.alloc_fragment([C, C], accum)
             # M transposed, Mt[j, r] = M[r, j], where M = diag(beta) K K^T (strictly lower part
-            # read only): the micro-tiles read four neighbouring rows of M in one column, which
-            # transposed are four neighbouring floats (four banks; row-major, one bank).
-            # Columns stored swizzled (``swizzled``).
-            Mt = T.alloc_shared([C, C], accum)
+            # read only), in groups of G columns (``group_of``): a micro-tile's four rows of M in
+            # one column are one group.  Its diagonal blocks then hold the X_ii transposed.
+            Mt = T.alloc_shared([C, C // G, G], accum)
             # A0 = (I + M)^-1, block lower triangular; blocks above the diagonal are never written.
-            # Rows padded to ROW_STRIDE floats, for the same reason (X_ii is a left operand too).
-            X = T.alloc_shared([C, ROW_STRIDE], accum)
+            X = T.alloc_shared([C, C], accum)
             # One 16 x 16 block of sums per pair of a level (at most 3 pairs).
             P = T.alloc_shared([3 * B, B], accum)
             x = T.alloc_local([B], accum)
@@ -266,14 +278,13 @@ def build_chunk_prep(
                 T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
                 # K K^T is symmetric: Mt[r, j] = M[j, r] from the accumulator's own (r, j).
                 for r, j in T.Parallel(C, C):
-                    Mt[r, swizzled(r, j)] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
+                    Mt[r, group_of(r, j), j % G] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
                 T.sync_threads()
 
                 # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
                 # X_ii = (I + M_ii)^-1, then level by level (i - j = 1, 2, 3)
                 # X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj.  All fp32 CUDA-core FMAs.
-                if thread < C:
-                    invert_diagonal_blocks(Mt, X, x, thread)
+                invert_diagonal_blocks(Mt, X, x, thread)
                 T.sync_threads()
                 # Written out per level so that every k loop has a constant length.
                 off_diagonal_level(Mt, X, P, acc, thread, 1)
@@ -287,5 +298,5 @@ def build_chunk_prep(
 
 
 # Shared memory by liveness: Mt takes the key tile's space once the Gram matrix has read
-# it, so a program keeps to 36.5 KB, six per SM.
+# it, so a program keeps to 36 KB, six per SM.
 build_chunk_prep.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
