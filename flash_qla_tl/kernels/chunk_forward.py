@@ -92,6 +92,7 @@ def build_chunk_forward(
     assert C == 64, "one warpgroup GEMM row block per chunk; A is [T, Hv, 64]"
     assert num_v_heads % num_qk_heads == 0 and V % block_v == 0
     assert block_v in (32, 64, 128), block_v
+    assert STAGES == 2  # the operand lists below are picked by stage parity
     group = num_v_heads // num_qk_heads
     accum = "float32"
     # Prep warpgroups.  A 32-column chain waited for the one prep warpgroup ~30% of each
@@ -152,7 +153,10 @@ def build_chunk_forward(
         if store_output:
             T.wait_wgmma(1)
             gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
-            T.copy(qk, p_op[st, :, :])
+            if st == 0:  # one whole 2-D buffer per stage, as for Kbar
+                T.copy(qk, p_op[0])
+            else:
+                T.copy(qk, p_op[1])
         T.wait_wgmma(0)
         # Both GEMMs have read the keys: from here on they only feed the chain's state
         # update, so decay them to the chunk end (0 past n).  Read all, then write all:
@@ -205,11 +209,12 @@ def build_chunk_forward(
             q_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             k_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             # State-independent operands, filled by prep: Kbar in one slot per prep group,
-            # the rest in a ring (same stage index as the inputs).
-            # Ak K, one 2-D buffer per prep group: a copy into a slice of a 3-D buffer lowers to
-            # 4-byte stores (32 per thread), into a whole 2-D one to stmatrix (8).
-            kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(prep_groups)]
-            p_op = T.alloc_shared([STAGES, C, C], dtype)  # scale (Q K^T) o E
+            # the rest in a ring (same stage index as the inputs).  The two GEMM operands
+            # are lists of 2-D buffers, not 3-D rings: a copy of an accumulator into a slice
+            # of a 3-D buffer lowers to 4-byte stores (32 per thread for Kbar, 16 for P),
+            # into a whole 2-D buffer to stmatrix (8, 4).
+            kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(prep_groups)]  # Ak K
+            p_op = [T.alloc_shared([C, C], dtype) for _ in range(STAGES)]  # scale (Q K^T) o E
             out_gate = T.alloc_shared([STAGES, C], accum)  # scale exp2(gamma_r) rq_r, 0 past n
             decay_to_end = T.alloc_shared([STAGES, C], accum)  # exp2(gamma_last - gamma_r) rk_r, 0 past n
             chunk_decay = T.alloc_shared([STAGES], accum)  # exp2(gamma_last)
@@ -286,7 +291,10 @@ def build_chunk_forward(
 
                     # Round 2: O += P U;  S += Kd^T U.
                     if store_output:
-                        T.wgmma_gemm(p_op[st, :, :], u_op, out)
+                        if st == 0:
+                            T.wgmma_gemm(p_op[0], u_op, out)
+                        else:
+                            T.wgmma_gemm(p_op[1], u_op, out)
                     T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True)
                     T.wait_wgmma(0)
                     # Every read of this stage (both rings) has completed.
