@@ -43,12 +43,11 @@ it, one chunk ahead:
   the gates go to a two-stage ring of shared memory; ``Kbar`` has one slot,
   which prep fills as soon as the chain's first round of chunk c has read it
   (the chain's second round of chunk c leaves it the time), so that 128-column
-  programs fit the 227 KB of shared memory;
-  At 32 columns a second prep warpgroup takes the odd chunks (each warpgroup
-  its own Kbar slot, no wait for the chain): prep's work does not shrink with
-  the columns, and one prep warpgroup held a 32-column chain ~30% of each chunk;
-* the last warpgroup, the loader: TMA loads of q, k, v, A_keys, A_values, gamma
-  and the inverse norms into a two-stage ring, so chunk c + 2 is in flight.
+  programs fit the 227 KB of shared memory (a second prep warpgroup on
+  alternate chunks, tried for 32-column programs whose chain waits for prep,
+  measured 3-4% slower on an H200: notes/forward-budget.md);
+* warpgroup 3, the loader: TMA loads of q, k, v, A_keys, A_values, gamma and
+  the inverse norms into a two-stage ring, so chunk c + 2 is in flight.
 
 A TMA tile that crosses the sequence end carries the next sequence's tokens (or
 padding that may hold inf/NaN).  Prep zeroes those rows of k and v before any
@@ -60,8 +59,8 @@ row r depends on its left operand's row r only).
 """
 
 from .chunk_pipeline import (
-    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, NARROW_CHAIN_REGS, NARROW_PREP_REGS,
-    PREP_REGS, PREP_THREADS, STAGES, gate_scores, head_columns, load_gates, register_split, zero_rows_past,
+    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
+    head_columns, load_gates, register_split, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
@@ -92,16 +91,10 @@ def build_chunk_forward(
     assert C == 64, "one warpgroup GEMM row block per chunk; A is [T, Hv, 64]"
     assert num_v_heads % num_qk_heads == 0 and V % block_v == 0
     assert block_v in (32, 64, 128), block_v
-    assert STAGES == 2  # the operand lists below are picked by stage parity
+    assert STAGES == 2  # P's ring is picked by stage parity
     group = num_v_heads // num_qk_heads
     accum = "float32"
-    # Prep warpgroups.  A 32-column chain waited for the one prep warpgroup ~30% of each
-    # chunk (prep's work does not shrink with the columns), and holds few accumulators:
-    # there, two prep warpgroups take alternate chunks (each with its own Kbar slot).
-    prep_groups = 2 if block_v == 32 else 1
-    chain_regs, prep_regs = (NARROW_CHAIN_REGS, NARROW_PREP_REGS) if prep_groups == 2 else (CHAIN_REGS, PREP_REGS)
-    register_split(chain_regs, chain_regs, *[prep_regs] * prep_groups, LOADER_REGS)
-    threads = CHAIN_THREADS + prep_groups * PREP_THREADS + LOADER_THREADS
+    register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")
@@ -111,69 +104,6 @@ def build_chunk_forward(
     num_states_in = T.dynamic("NS")
     num_states_out = T.dynamic("NS_out")
     num_chunk_slots = T.dynamic("NC")
-
-    @T.macro
-    def prepare_chunk(c, seqlen, hg, hkn, scale, inputs, made, loaded, prepared, kbar_read, kbar, qk, k_decayed,
-                      kbar_slot):
-        """Prep's work for chunk ``c``: ``Kbar``, ``P``, the gate vectors, ``Kd``.
-
-        ``inputs``: the input ring ``(q, k, v, A_keys, gamma, q norms, k norms)``;
-        ``made``: what prep fills in the ring ``(P, out_gate, decay_to_end, chunk_decay)``; ``kbar_slot``:
-        this prep group's Kbar buffer.
-        """
-        q_tile, k_tile, v_tile, a_keys_tile, gamma_tile, q_scale, k_scale = inputs
-        p_op, out_gate, decay_to_end, chunk_decay = made
-        st = c % STAGES
-        n = T.min(seqlen - c * C, C)
-        # Stage st of the operand ring was last read for chunk c - 2; the loader
-        # refilled the input ring's stage st only after the chain released it, so
-        # waiting for the load is enough.
-        T.barrier_wait(loaded[st], (c // STAGES) % 2)
-
-        # Only a sequence's last chunk is short, so no later TMA write to this stage
-        # races with these stores.
-        if n < C:
-            zero_rows_past(k_tile, st, n, C, K)
-            zero_rows_past(v_tile, st, n, C, block_v)
-
-        # Q K^T first: its gates and mask then run while Ak K is still on the tensor cores.
-        if store_output:
-            T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
-        T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
-        for i in T.Parallel(C):
-            if store_output:
-                out_gate[st, i] = T.Select(
-                    i < n, T.exp2(gamma_tile[st, i, hg]) * scale * q_scale[st, i, hkn], T.float32(0)
-                )
-            decay_to_end[st, i] = T.Select(
-                i < n, T.exp2(gamma_tile[st, n - 1, hg] - gamma_tile[st, i, hg]) * k_scale[st, i, hkn], T.float32(0)
-            )
-            if i == 0:
-                chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
-        if store_output:
-            T.wait_wgmma(1)
-            gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
-            if st == 0:  # one whole 2-D buffer per stage, as for Kbar
-                T.copy(qk, p_op[0])
-            else:
-                T.copy(qk, p_op[1])
-        T.wait_wgmma(0)
-        # Both GEMMs have read the keys: from here on they only feed the chain's state
-        # update, so decay them to the chunk end (0 past n).  Read all, then write all:
-        # one barrier, not one per row block.
-        for i, d in T.Parallel(C, K):
-            k_decayed[i, d] = k_tile[st, i, d] * decay_to_end[st, i]
-        T.copy(k_decayed, k_tile[st, :, :])
-        if prep_groups == 1:
-            # One Kbar slot: free once the chain's first round of chunk c - 1 is done.
-            if c > 0:
-                T.barrier_wait(kbar_read, (c - 1) % 2)
-        # (Two groups: a slot per stage, last read by the chain's chunk c - 2, which
-        # released this stage before the loader refilled it.)
-        T.copy(kbar, kbar_slot)
-        # The chain reads these (and the zeroed v rows) with wgmma, the async proxy.
-        T.fence_proxy_async()
-        T.barrier_arrive(prepared[st])
 
     @T.prim_func
     def chunk_forward(
@@ -192,7 +122,9 @@ def build_chunk_forward(
         final_state: T.Tensor([num_states_out, num_v_heads, K, V], accum),
         chunk_states: T.Tensor([num_chunk_slots, num_v_heads, K, V], dtype),
     ):
-        with T.Kernel(V // block_v, num_v_heads, num_seqs, threads=threads) as (iv, hv, seq):
+        with T.Kernel(
+            V // block_v, num_v_heads, num_seqs, threads=CHAIN_THREADS + PREP_THREADS + LOADER_THREADS
+        ) as (iv, hv, seq):
             hk, h0, hg, hk0, hkn = head_columns(hv, group)
             v0 = iv * block_v
             bos = cu_seqlens[seq]
@@ -208,22 +140,20 @@ def build_chunk_forward(
             gamma_tile = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             q_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             k_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
-            # State-independent operands, filled by prep: Kbar in one slot per prep group,
-            # the rest in a ring (same stage index as the inputs).  The two GEMM operands
-            # are lists of 2-D buffers, not 3-D rings: a copy of an accumulator into a slice
-            # of a 3-D buffer lowers to 4-byte stores (32 per thread for Kbar, 16 for P),
-            # into a whole 2-D buffer to stmatrix (8, 4).
-            kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(prep_groups)]  # Ak K
+            # State-independent operands, filled by prep: Kbar in one slot, the rest in a
+            # ring (same stage index as the inputs).  P's ring is two 2-D buffers, not one
+            # 3-D buffer: an accumulator's copy into a slice of a 3-D buffer lowers to
+            # 16 four-byte stores per thread, into a whole 2-D buffer to 4 stmatrix.
+            kbar_op = T.alloc_shared([C, K], dtype)  # Ak K
             p_op = [T.alloc_shared([C, C], dtype) for _ in range(STAGES)]  # scale (Q K^T) o E
             out_gate = T.alloc_shared([STAGES, C], accum)  # scale exp2(gamma_r) rq_r, 0 past n
             decay_to_end = T.alloc_shared([STAGES, C], accum)  # exp2(gamma_last - gamma_r) rk_r, 0 past n
             chunk_decay = T.alloc_shared([STAGES], accum)  # exp2(gamma_last)
             # Stage st holds chunk c with c % 2 == st; phases flip every lap round the ring.
             loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
-            prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)  # by one prep group
+            prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
             consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
-            # One Kbar slot: completion c means chunk c's Kbar S is done.
-            kbar_read = T.alloc_barrier(arrive_count=CHAIN_THREADS) if prep_groups == 1 else None
+            kbar_read = T.alloc_barrier(arrive_count=CHAIN_THREADS)  # completion c: chunk c's Kbar S is done
 
             # The chain's tensor-core operands.
             state_op = T.alloc_shared([K, block_v], dtype)  # S
@@ -232,16 +162,13 @@ def build_chunk_forward(
             state = T.alloc_fragment([K, block_v], accum)
             u = T.alloc_fragment([C, block_v], accum)
             out = T.alloc_fragment([C, block_v], accum)
-            # Prep's accumulators, one set per prep group (a fragment belongs to one warpgroup).
-            kbar = [T.alloc_fragment([C, K], accum) for _ in range(prep_groups)]
-            qk = [T.alloc_fragment([C, C], accum) for _ in range(prep_groups)]
-            k_decayed = [T.alloc_fragment([C, K], dtype) for _ in range(prep_groups)]
-            inputs = (q_tile, k_tile, v_tile, a_keys_tile, gamma_tile, q_scale, k_scale)
-            made = (p_op, out_gate, decay_to_end, chunk_decay)
+            kbar = T.alloc_fragment([C, K], accum)
+            qk = T.alloc_fragment([C, C], accum)
+            k_decayed = T.alloc_fragment([C, K], dtype)
 
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
-                T.set_max_nreg(chain_regs, 1)
+                T.set_max_nreg(CHAIN_REGS, 1)
                 if has_initial_state:
                     T.copy(initial_state[seq, hv, :, v0 : v0 + block_v], state)
                 else:
@@ -260,19 +187,13 @@ def build_chunk_forward(
                     # while the state goes to shared memory.
                     T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
                     T.copy(state, state_op)
-                    if prep_groups == 1:
-                        T.wgmma_gemm(kbar_op[0], state_op, u)
-                    elif c % 2 == 0:  # a GEMM's operand is one whole buffer: pick by the chunk's prep group
-                        T.wgmma_gemm(kbar_op[0], state_op, u)
-                    else:
-                        T.wgmma_gemm(kbar_op[1], state_op, u)
+                    T.wgmma_gemm(kbar_op, state_op, u)
                     if store_output:
                         T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
                         T.wait_wgmma(1)
                     else:
                         T.wait_wgmma(0)
-                    if prep_groups == 1:
-                        T.barrier_arrive(kbar_read)
+                    T.barrier_arrive(kbar_read)
 
                     # U is done (Q S may still run): mask its padded rows, and decay the state.
                     for i, j in T.Parallel(C, block_v):
@@ -291,7 +212,7 @@ def build_chunk_forward(
 
                     # Round 2: O += P U;  S += Kd^T U.
                     if store_output:
-                        if st == 0:
+                        if st == 0:  # a GEMM operand is one whole buffer: picked by stage
                             T.wgmma_gemm(p_op[0], u_op, out)
                         else:
                             T.wgmma_gemm(p_op[1], u_op, out)
@@ -321,16 +242,56 @@ def build_chunk_forward(
                 if store_final_state:
                     T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
             elif tx < CHAIN_THREADS + PREP_THREADS:
-                T.set_max_nreg(prep_regs, 1)
-                for i in T.serial(T.ceildiv(num_chunks, prep_groups)):  # chunks 0, 1, 2, ... or 0, 2, 4, ...
-                    prepare_chunk(i * prep_groups, seqlen, hg, hkn, scale, inputs, made, loaded, prepared, kbar_read,
-                                  kbar[0], qk[0], k_decayed[0], kbar_op[0])
-            elif tx < CHAIN_THREADS + prep_groups * PREP_THREADS:
-                if prep_groups == 2:  # the second prep group: chunks 1, 3, 5, ...
-                    T.set_max_nreg(prep_regs, 1)
-                    for i in T.serial(T.ceildiv(num_chunks - 1, 2)):
-                        prepare_chunk(2 * i + 1, seqlen, hg, hkn, scale, inputs, made, loaded, prepared, kbar_read,
-                                      kbar[-1], qk[-1], k_decayed[-1], kbar_op[-1])
+                T.set_max_nreg(PREP_REGS, 1)
+                for c in T.serial(num_chunks):
+                    st = c % STAGES
+                    n = T.min(seqlen - c * C, C)
+                    # Stage st of the operand ring was last read for chunk c - 2; the
+                    # loader refilled the input ring's stage st only after the chain
+                    # released it, so waiting for the load is enough.
+                    T.barrier_wait(loaded[st], (c // STAGES) % 2)
+
+                    # Only a sequence's last chunk is short, so no later TMA write to
+                    # this stage races with these stores.
+                    if n < C:
+                        zero_rows_past(k_tile, st, n, C, K)
+                        zero_rows_past(v_tile, st, n, C, block_v)
+
+                    # Q K^T first: its gates and mask then run while Ak K is still on the tensor cores.
+                    if store_output:
+                        T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
+                    for i in T.Parallel(C):
+                        if store_output:
+                            out_gate[st, i] = T.Select(
+                                i < n, T.exp2(gamma_tile[st, i, hg]) * scale * q_scale[st, i, hkn], T.float32(0)
+                            )
+                        decay_to_end[st, i] = T.Select(
+                            i < n, T.exp2(gamma_tile[st, n - 1, hg] - gamma_tile[st, i, hg]) * k_scale[st, i, hkn], T.float32(0)
+                        )
+                        if i == 0:
+                            chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
+                    if store_output:
+                        T.wait_wgmma(1)
+                        gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
+                        if st == 0:
+                            T.copy(qk, p_op[0])
+                        else:
+                            T.copy(qk, p_op[1])
+                    T.wait_wgmma(0)
+                    # Both GEMMs have read the keys: from here on they only feed the
+                    # chain's state update, so decay them to the chunk end (0 past n).
+                    # Read all, then write all: one barrier, not one per row block.
+                    for i, d in T.Parallel(C, K):
+                        k_decayed[i, d] = k_tile[st, i, d] * decay_to_end[st, i]
+                    T.copy(k_decayed, k_tile[st, :, :])
+                    # Kbar's slot is free once the chain's first round of chunk c - 1 is done.
+                    if c > 0:
+                        T.barrier_wait(kbar_read, (c - 1) % 2)
+                    T.copy(kbar, kbar_op)
+                    # The chain reads these (and the zeroed v rows) with wgmma, the async proxy.
+                    T.fence_proxy_async()
+                    T.barrier_arrive(prepared[st])
             else:
                 T.set_max_nreg(LOADER_REGS, 0)
                 for c in T.serial(num_chunks):

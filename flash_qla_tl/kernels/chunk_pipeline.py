@@ -20,10 +20,6 @@ LOADER_THREADS = 128
 # forward program holds 128 fp32 accumulator values per thread (S, U, O), prep up to
 # 96 (Kbar, Q K^T), the loader only issues TMA; ptxas reports no spills at this split.
 CHAIN_REGS, PREP_REGS, LOADER_REGS = 168, 152, 24
-# A forward program of 32 columns with two prep warpgroups (chunk_forward), 640 threads:
-# 128 * (2 * 96 + 2 * 128 + 24) = 59K of the 60K its launch holds (register_split);
-# its chain holds 32 accumulator values per thread, prep up to 96.
-NARROW_CHAIN_REGS, NARROW_PREP_REGS = 96, 128
 REGISTERS_PER_SM = 65536
 STAGES = 2
 # Named barrier of the chain warpgroups alone (TileLang's own partial syncs of the chain use id 3 too).
