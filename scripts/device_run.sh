@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent Hopper GPU: GPU tests, then benchmarks; full logs under $OUT.
-#   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|hazards|cold ...]     (default: tests quick)
+#   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|hazards|barrierprobe|cold ...]     (default: tests quick)
 # Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf) and optionally a
 # TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
 # (xz: the cache's shared objects would not fit the 64 MiB a device call carries).
@@ -58,6 +58,7 @@ for step in $steps; do
     kernelcheck) timeout 300 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tee "$OUT/kernelcheck.log" \
              | tail -20 ;;
     sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only, --chunked-only or --decode-only)
+      compute-sanitizer --version | tail -1
       for tool in memcheck racecheck synccheck; do
         timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 python scripts/sanitize_kernels.py ${SANITIZE:-} \
           > "$OUT/sanitize-$tool.log" 2>&1; echo "$tool: exit $?"
@@ -70,6 +71,11 @@ for step in $steps; do
         --kernel-name "regex=${HAZARD_KERNEL:-chunk_local_gradients}" python scripts/sanitize_kernels.py ${SANITIZE:-} \
         > "$OUT/hazards.log" 2>&1; echo "racecheck hazards: exit $?"
       grep -v INFO "$OUT/hazards.log" | head -60 ;;
+    barrierprobe) # does racecheck see a block-wide barrier between a store and another warp's read?
+      # (a correct kernel by construction: a hazard reported here is the tool's; notes/backward-racecheck.md)
+      compute-sanitizer --version | tail -1
+      "$CUDA_HOME/bin/nvcc" -arch=sm_90a -lineinfo -O3 -o /tmp/probe scripts/racecheck_barrier_probe.cu && /tmp/probe 20000 \
+        && for late in 0 20000; do compute-sanitizer --tool racecheck /tmp/probe $late 2>&1 | tail -3; done ;;
     bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} ${CANDIDATE:+--candidate $CANDIDATE} \
              ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
