@@ -3,7 +3,8 @@
 #   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|hazards|barrierprobe|cold ...]     (default: tests quick)
 # Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf) and optionally a
 # TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
-# (xz: the cache's shared objects would not fit the 64 MiB a device call carries).
+# (xz: the cache's shared objects would not fit the 64 MiB a device call carries; pack only
+# the programs of the revision that runs: precompile.py --cache-list, then tar -T).
 set -uo pipefail
 source .gpu/setup.sh || exit 1
 if [ -f .gpu/tlcache.tar.xz ]; then

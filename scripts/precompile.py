@@ -7,7 +7,11 @@
 The cache is keyed by the program, the target (sm_90a) and the TileLang version,
 so a cache filled here is reused on a Hopper machine with the same tilelang:
 the first call there loads instead of compiling.  ``--jobs`` compiles in that
-many processes (each program compiles on one core).
+many processes (each program compiles on one core).  ``--cache-list FILE`` adds
+the cache directories of the listed programs (relative to the cache root) to
+FILE, so that exactly those travel to the device (a cache of many revisions is
+far more than a call carries; file times cannot tell which entries a revision
+uses):  ``tar -C "$TILELANG_CACHE_DIR" -cJf .gpu/tlcache.tar.xz -T FILE``.
 """
 
 import argparse
@@ -75,10 +79,24 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
 
 
 def compile_one(task):
+    """Compile one program; returns its report line and the kernel-cache directories TileLang looked up."""
+    from tilelang.cache.kernel_cache import KernelCache
+
     build, config = task
-    start = time.perf_counter()
-    compile_program(build, *config)
-    return f"{build.__name__}{config}: {time.perf_counter() - start:.1f} s"
+    looked_up = []
+    cache_path = KernelCache._get_cache_path
+
+    def recorded(self, key):
+        looked_up.append(cache_path(self, key))
+        return looked_up[-1]
+
+    KernelCache._get_cache_path = recorded
+    try:
+        start = time.perf_counter()
+        compile_program(build, *config)
+    finally:
+        KernelCache._get_cache_path = cache_path
+    return f"{build.__name__}{config}: {time.perf_counter() - start:.1f} s", looked_up
 
 
 def main():
@@ -89,6 +107,7 @@ def main():
     p.add_argument("--block-v", default="128,64,32", help="comma-separated value-block widths of the state pass")
     p.add_argument("--kernels", default="forward", help="comma-separated: forward, backward, decode")
     p.add_argument("--jobs", type=int, default=1, help="compiling processes")
+    p.add_argument("--cache-list", type=Path, help="append the programs' cache directories to this file")
     args = p.parse_args()
     heads = [tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")]
     widths = [int(b) for b in args.block_v.split(",")]
@@ -96,10 +115,16 @@ def main():
                                for t in programs(hqk, hv, dtype, widths, args.all_flags, args.kernels.split(","))))
     print(f"cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')}; {len(tasks)} programs", flush=True)
     start = time.perf_counter()
+    cache_dirs = set()
     with ProcessPoolExecutor(args.jobs) as pool:
-        for line in pool.map(compile_one, tasks):
+        for line, looked_up in pool.map(compile_one, tasks):
             print(line, flush=True)
+            cache_dirs.update(looked_up)
     print(f"done in {time.perf_counter() - start:.0f} s")
+    if args.cache_list:
+        root = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+        with args.cache_list.open("a") as f:
+            f.writelines(os.path.relpath(d, root) + "\n" for d in sorted(cache_dirs))
 
 
 if __name__ == "__main__":
