@@ -16,6 +16,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # extra wheels the image lacks (kernels'
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
+# Which code this is: the device's copy of .git may be stale, the files are not.  The same
+# command here tells whether the call runs the revision meant (the copy is of /work/main's tree).
+echo "flash_qla_tl sources: $(find flash_qla_tl -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
 steps=${*:-tests quick}
 for step in $steps; do
   echo "=== $step"
