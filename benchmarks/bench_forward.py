@@ -5,10 +5,11 @@
     python benchmarks/bench_forward.py --heads 16x32 --lengths 8192x4,1x2048 --modes l2norm
 
 Peers (each a column, labelled by what really ran):
-  * ``flash-qla-tl@candidate`` (with ``--candidate DIR``): the same package from
-    another revision, e.g. ``git worktree add /tmp/b BRANCH`` then ``--candidate
-    /tmp/b/flash_qla_tl``, imported under its own name: an A/B of two revisions
-    on the same inputs in one process;
+  * ``flash-qla-tl@NAME`` (with ``--candidate NAME=DIR``, repeatable; a bare
+    ``DIR`` is named ``candidate``): the same package from another revision,
+    e.g. ``git worktree add /tmp/b BRANCH`` then ``--candidate
+    b=/tmp/b/flash_qla_tl``, imported under its own name: an A/B of revisions on
+    the same inputs in one process;
   * ``fla``: fla-core's Triton kernels with ``FLA_FLASH_QLA=0`` (set before import),
     so that fla does not hand the call to flash-qla;
   * ``flash-qla``: the flash-qla package's own ``chunk_gated_delta_rule``.
@@ -59,10 +60,19 @@ D = 128
 FLOP_PER_TOKEN_HEAD = 176e3  # forward, DESIGN.md section 4
 
 
-def load_candidate(package_dir: Path):
-    """The ``flash_qla_tl`` package at ``package_dir`` (another revision), imported as ``flash_qla_tl_candidate``
+def parse_candidate(arg: str) -> tuple[str, Path]:
+    """``--candidate``'s ``NAME=DIR`` (or a bare ``DIR``, named ``candidate``)."""
+    name, sep, path = arg.rpartition("=")
+    name = name if sep else "candidate"
+    if not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"a candidate's name must be an identifier, got {name!r}")
+    return name, Path(path)
+
+
+def load_candidate(package_dir: Path, label: str = "candidate"):
+    """The ``flash_qla_tl`` package at ``package_dir`` (another revision), imported as ``flash_qla_tl_<label>``
     (the package imports itself relatively only, so the copy keeps to its own modules and compile cache)."""
-    name = "flash_qla_tl_candidate"
+    name = f"flash_qla_tl_{label}"
     spec = importlib.util.spec_from_file_location(name, package_dir / "__init__.py",
                                                   submodule_search_locations=[str(package_dir)])
     module = importlib.util.module_from_spec(spec)
@@ -71,10 +81,10 @@ def load_candidate(package_dir: Path):
     return module
 
 
-def peers(candidate: Path | None = None) -> dict:
+def peers(candidates: list[tuple[str, Path]] = ()) -> dict:
     libs = {OURS: flash_qla_tl.chunk_gated_delta_rule}
-    if candidate:
-        libs[f"{OURS}@candidate"] = load_candidate(candidate).chunk_gated_delta_rule
+    for label, package_dir in candidates:
+        libs[f"{OURS}@{label}"] = load_candidate(package_dir, label).chunk_gated_delta_rule
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
         libs["fla"] = fla_fn
@@ -259,8 +269,9 @@ def cli(doc: str, tokens: list | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated input modes: normalized, l2norm")
     p.add_argument("--no-check", action="store_true",
                    help="skip checking each row's outputs (the forward: against float64; the backward: against ours)")
-    p.add_argument("--candidate", type=Path,
-                   help="a flash_qla_tl package directory of another revision, timed as its own column")
+    p.add_argument("--candidate", type=parse_candidate, action="append", default=[],
+                   help="NAME=DIR: a flash_qla_tl package directory of another revision, timed as its own "
+                        "column flash-qla-tl@NAME (repeatable; a bare DIR is named candidate)")
     if tokens:
         p.add_argument("--tokens", default=tokens, type=lambda s: [int(x) for x in s.split(",")],
                        help="comma-separated total token counts to run (default: the whole grid's)")
@@ -288,14 +299,16 @@ def single_problem(doc: str, heads: str, lengths: str, add_options=None):
     return args, (hqk, hv), make_problem(hqk, hv, parse_lengths(args.lengths))
 
 
-def drive(kind: str, grid: list, run, out: Path, candidate: Path | None = None):
-    """Measure ``grid`` with ``run`` against the peers (and ``candidate``, see ``load_candidate``); write
+def drive(kind: str, grid: list, run, out: Path, candidates: list[tuple[str, Path]] = ()):
+    """Measure ``grid`` with ``run`` against the peers (and ``candidates``, see ``load_candidate``); write
     ``<kind>.json/.md/.png`` under ``out``."""
-    libs = peers(candidate)
+    libs = peers(candidates)
     ceilings = measure_ceilings()
     meta = {"timer": "cuda-graph", "calls_per_graph": CALLS_PER_GRAPH, "gpu": torch.cuda.get_device_name(),
             "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
-            "ceilings": ceilings, **versions(), **({"candidate": str(candidate)} if candidate else {})}
+            "ceilings": ceilings, **versions()}
+    if candidates:
+        meta["candidates"] = {label: str(package_dir) for label, package_dir in candidates}
     print(json.dumps(meta))
     out.mkdir(parents=True, exist_ok=True)
 

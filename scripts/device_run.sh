@@ -20,6 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 # command here tells whether the call runs the revision meant (the copy is of /work/main's tree).
 echo "flash_qla_tl sources: $(find flash_qla_tl -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
 steps=${*:-tests quick}
+candidates() { for c in ${CANDIDATE:-}; do printf -- '--candidate %s ' "$c"; done; }
 for step in $steps; do
   echo "=== $step"
   case $step in
@@ -52,9 +53,10 @@ for step in $steps; do
     plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | grep -v INFO \
              | tee "$OUT/plans.log" | tail -40 ;;
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
-    # CANDIDATE (full, bwd): another revision's package directory (carried, e.g. .ab/flash_qla_tl from
-    # `git archive BRANCH flash_qla_tl | tar -x -C .ab`), timed as its own column beside ours
-    full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} ${CANDIDATE:+--candidate $CANDIDATE} \
+    # CANDIDATE (full, bwd): other revisions' package directories, NAME=DIR separated by spaces (carried,
+    # e.g. main=.ab/main/flash_qla_tl from `mkdir -p .ab/main && git archive main flash_qla_tl | tar -x -C
+    # .ab/main`), each timed as its own column beside ours
+    full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} $(candidates) \
              ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
     fwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_forward.py \
              ${FWD_TESTS_K:+-k "$FWD_TESTS_K"} 2>&1 \
@@ -80,7 +82,7 @@ for step in $steps; do
       compute-sanitizer --version | tail -1
       "$CUDA_HOME/bin/nvcc" -arch=sm_90a -lineinfo -O3 -o /tmp/probe scripts/racecheck_barrier_probe.cu && /tmp/probe 20000 \
         && for late in 0 20000; do compute-sanitizer --tool racecheck /tmp/probe $late 2>&1 | tail -3; done ;;
-    bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} ${CANDIDATE:+--candidate $CANDIDATE} \
+    bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} $(candidates) \
              ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
     bwdquick) python benchmarks/bench_backward.py --quick --out "$OUT/bench" 2>&1 \
