@@ -53,9 +53,9 @@ for step in $steps; do
     plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | grep -v INFO \
              | tee "$OUT/plans.log" | tail -40 ;;
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
-    # CANDIDATE (full, bwd): other revisions' package directories, NAME=DIR separated by spaces (carried,
-    # e.g. main=.ab/main/flash_qla_tl from `mkdir -p .ab/main && git archive main flash_qla_tl | tar -x -C
-    # .ab/main`), each timed as its own column beside ours
+    # CANDIDATE (full, bwd): other revisions' package directories, NAME=DIR separated by spaces, e.g.
+    # main=.ab/main/flash_qla_tl from `mkdir -p .ab/main && git archive main flash_qla_tl | tar -x -C
+    # .ab/main` (.ab is ignored: name it in the call's carry), each timed as its own column beside ours
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} $(candidates) \
              ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
     fwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_forward.py \
