@@ -15,6 +15,7 @@ uses):  ``tar -C "$TILELANG_CACHE_DIR" -cJf .gpu/tlcache.tar.xz -T FILE``.
 """
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -78,8 +79,9 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
     return out
 
 
-def compile_one(task):
-    """Compile one program; returns its report line and the kernel-cache directories TileLang looked up."""
+def compile_one(task, record=False):
+    """Compile one program; returns its report line and (``record``) the kernel-cache directories TileLang
+    looked up, by wrapping its cache's private path lookup for this one compile."""
     from tilelang.cache.kernel_cache import KernelCache
 
     build, config = task
@@ -90,7 +92,8 @@ def compile_one(task):
         looked_up.append(cache_path(self, key))
         return looked_up[-1]
 
-    KernelCache._get_cache_path = recorded
+    if record:
+        KernelCache._get_cache_path = recorded
     try:
         start = time.perf_counter()
         compile_program(build, *config)
@@ -117,7 +120,7 @@ def main():
     start = time.perf_counter()
     cache_dirs = set()
     with ProcessPoolExecutor(args.jobs) as pool:
-        for line, looked_up in pool.map(compile_one, tasks):
+        for line, looked_up in pool.map(functools.partial(compile_one, record=args.cache_list is not None), tasks):
             print(line, flush=True)
             cache_dirs.update(looked_up)
     print(f"done in {time.perf_counter() - start:.0f} s")

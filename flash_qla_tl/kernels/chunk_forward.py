@@ -45,7 +45,7 @@ it, one chunk ahead:
   (the chain's second round of chunk c leaves it the time), so that 128-column
   programs fit the 227 KB of shared memory (a second prep warpgroup on
   alternate chunks, tried for 32-column programs whose chain waits for prep,
-  measured 3-4% slower on an H200: notes/forward-budget.md);
+  measured 1-6% slower on an H200: notes/forward-budget.md);
 * warpgroup 3, the loader: TMA loads of q, k, v, A_keys, A_values, gamma and
   the inverse norms into a two-stage ring, so chunk c + 2 is in flight.
 

@@ -42,7 +42,6 @@ def register_split(*per_warpgroup):
     return per_warpgroup
 
 
-
 def head_columns(hv, group):
     """``(hk, h0, hg, hk0, hkn)`` for value head ``hv``: its q/k head, and where the per-token fp32 values
     of both heads sit in the TMA boxes of HEADS_PER_BOX heads (first head of the box, column in it).
