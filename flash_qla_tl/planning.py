@@ -11,7 +11,8 @@ the table is built there, cached by content, and copied over asynchronously: no
 kernel launches, and for offsets seen before no synchronisation either, so the
 host prepares a call while the GPU still runs the previous one (BENCHMARKS.md,
 "Forward, summary").  During capture nothing may be read on the host, and the
-same function builds the table on the device.
+same function builds the table on the device; the chunk table, which every
+call needs, by a kernel of its own in one launch (:data:`DEVICE_BUILDS`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
 
 
 def table(build, cu_seqlens: torch.Tensor, *args):
-    """``build(cu_seqlens, *args)``: on the host from cached offsets, or on the device during graph capture."""
+    """``build(cu_seqlens, *args)``: on the host from cached offsets, or on the device during graph capture
+    (by its one-launch kernel where it has one, :data:`DEVICE_BUILDS`)."""
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
-        return build(cu_seqlens, *args)
+        return DEVICE_BUILDS.get(build, build)(cu_seqlens, *args)
     return _host_table(build, host_offsets(cu_seqlens), args, cu_seqlens.device)
 
 
@@ -111,3 +113,21 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     start, end, seq, _, _ = split_sequences(cu_seqlens, total_tokens, CHUNK)
     slot = start // CHUNK + seq
     return (torch.stack([start, end, slot], 1) * (end > start)[:, None]).to(torch.int32)
+
+
+def device_chunk_table(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """:func:`chunk_table` on the device in one launch (``kernels/chunk_table.py``), not ~30 small kernels:
+    under CUDA-graph capture each of those is a node of the graph, replayed every call."""
+    from .kernels.chunk_table import build_chunk_table
+    from .kernels.compile import compile_program
+
+    num_seqs = cu_seqlens.numel() - 1
+    device = cu_seqlens.device
+    chunk_ends = torch.empty(num_seqs, dtype=torch.int32, device=device)
+    out = torch.empty(-(-total_tokens // CHUNK) + num_seqs, 3, dtype=torch.int32, device=device)
+    compile_program(build_chunk_table)(cu_seqlens.to(torch.int32), chunk_ends, out)
+    return out
+
+
+# The device builds that have a kernel of their own (the others run their PyTorch form on the device).
+DEVICE_BUILDS = {chunk_table: device_chunk_table}

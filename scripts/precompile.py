@@ -28,6 +28,7 @@ from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step  # noqa
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients  # noqa: E402
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep  # noqa: E402
+from flash_qla_tl.kernels.chunk_table import build_chunk_table  # noqa: E402
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
@@ -62,7 +63,7 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
     if "forward" not in kernels and "backward" not in kernels:
         return out
     out += [(build_inverse_norms, (hqk, 128, dtype)), (build_chunk_prep, (hqk, hv, 128, dtype, False)),
-            (build_zero_tail_rows, (hv * 128, dtype))]
+            (build_zero_tail_rows, (hv * 128, dtype)), (build_chunk_table, ())]
     out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b))
             for (h0, ht), b in itertools.product(flags, widths)]
     if all_flags:  # context parallelism's scan and its first two passes (states only)

@@ -249,6 +249,21 @@ def test_segment_scan_composes_affine_segment_maps():
         assert rel_rms(final[n], s) < 1e-5
 
 
+@pytest.mark.parametrize("num_seqs", [1, 7, 1500])  # 1500: more sequences than the kernel's threads
+def test_chunk_table_kernel_matches_its_specification(num_seqs):
+    """The one-launch chunk table of CUDA-graph capture against ``planning.chunk_table``: empty, one-token
+    and long sequences, int64 and int32 offsets, rows past the last sequence."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    lengths = torch.randint(0, 300, (num_seqs,), generator=gen)
+    lengths[::3] = 0
+    lengths[1::5] = 1
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    total = int(cu[-1]) + 5  # tokens past the last sequence (a graph runtime's padding)
+    want = planning.chunk_table(cu, total)
+    for dtype in (torch.int64, torch.int32):
+        assert torch.equal(planning.device_chunk_table(cu.to(dtype).cuda(), total).cpu(), want)
+
+
 def test_forward_replays_in_a_cuda_graph_with_padded_tokens():
     """Under capture nothing is read on the host: the tables come from the offsets on the device, rows past
     the last sequence (a graph runtime's padding) come out as zeros, and new offsets written into the
