@@ -107,7 +107,8 @@ def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, or
     """Steps 1-3 of the module docstring for one affine pass over segments; returns each sequence's final state.
 
     ``run(values, start, last)`` runs the pass over the segments ``seg_cu`` from the
-    per-segment states ``start`` (None: zero) and returns the states it ends in,
+    per-segment states ``start`` (None: zero), with ``values`` (None: zero values, the
+    transition pass), and returns the states it ends in,
     ``[U, Hv, K, V]`` fp32; ``last`` marks step 3, whose other outputs are the
     real ones.  ``initial`` ``[N, Hv, K, V]`` fp32 starts each sequence; ``order``
     (from :func:`reversed_segments`) makes the scan walk the segments backwards.
@@ -118,7 +119,7 @@ def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, or
     offset = run(values, None, False)
     num_segs, hv, kdim, vdim = offset.shape
     identity = torch.eye(kdim, device=offset.device).expand(num_segs, hv, kdim, kdim).contiguous()
-    transition = run(torch.zeros_like(values), identity, False)  # K == V: M rides in a state's columns
+    transition = run(None, identity, False)  # K == V: M rides in a state's columns
     if order is not None:
         transition, offset = transition[order], offset[order]
     entry, final = torch.empty_like(offset), torch.empty_like(initial)

@@ -81,6 +81,7 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
                                          chunk_states=states if last else None)
 
     def reverse(d_out, end, last):
+        d_out = torch.zeros_like(do_packed) if d_out is None else d_out  # the transition pass: no output gradient
         grads = torch.empty(offsets.numel() - 1, hv, kdim, vdim, dtype=torch.float32, device=device)
         kernel = compile_program(build_reverse_state_pass, hqk, hv, kdim, vdim, dtype, end is not None, plan.block_v)
         kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, d_out, ops.gamma, ops.a_keys, offsets,

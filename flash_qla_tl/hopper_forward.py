@@ -183,6 +183,7 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
 def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, chunk_states=None):
     """One fused pass (step 2) over the sequences ``offsets`` describes; returns their final states.
 
+    ``values`` None: zero values, read from nowhere (context parallelism's transition pass).
     ``out`` receives the output (None: the pass only walks the states, as context
     parallelism's first two passes and the backward's recompute do);
     ``chunk_states`` (``[T // 64 + N + 1, Hv, K, V]`` in q's dtype, or None) receives
@@ -197,8 +198,8 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, 
     no_state = placeholder_state(hv, kdim, vdim, device)
     ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else no_state
     kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
-                             block_v, chunk_states is not None, out is not None)
-    kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, values, ops.gamma, ops.a_keys, ops.a_values, offsets,
+                             block_v, chunk_states is not None, out is not None, values is not None)
+    kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v if values is None else values, ops.gamma, ops.a_keys, ops.a_values, offsets,
            no_state if h0 is None else h0, ops.scale,
            placeholder((1, hv, vdim), ops.v.dtype, device) if out is None else out, ht,
            placeholder_state(hv, kdim, vdim, device, ops.v.dtype) if chunk_states is None else chunk_states)

@@ -66,10 +66,10 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
             (build_zero_tail_rows, (hv * 128, dtype)), (build_chunk_table, ())]
     out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b))
             for (h0, ht), b in itertools.product(flags, widths)]
-    if all_flags:  # context parallelism's scan and its first two passes (states only)
+    if all_flags:  # context parallelism's scan and its first two passes (states only; the second with zero values)
         out.append((build_segment_scan, (hv, 128, 128)))
-        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, True, b, False, False))
-                for h0, b in itertools.product([True, False], widths)]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False)) for b in widths]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, True, b, False, False, False)) for b in widths]
     if "backward" in kernels:
         out += [(build_chunk_prep, (hqk, hv, 128, dtype, True)),
                 (build_chunk_local_gradients, (hqk, hv, 128, 128, dtype))]

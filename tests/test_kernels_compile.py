@@ -115,6 +115,15 @@ def test_register_split_fits_the_launch():
     assert sum(register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)) * 128 == 65536  # the state passes
 
 
+@pytest.mark.parametrize("block_v", [32, 128])
+def test_transition_pass_reads_no_values(block_v):
+    """Context parallelism's transition pass (zero values): U = Kbar S alone, neither v nor A_values loaded."""
+    source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", True, True, block_v, False, False,
+                             False).get_kernel_source()
+    assert "tma_load(k_desc" in source and "tma_load(A_keys_desc" in source
+    assert "tma_load(v_desc" not in source and "tma_load(A_values_desc" not in source
+
+
 @pytest.mark.parametrize("hqk,hv,dtype,has_dht,block_v", [
     (16, 32, "bfloat16", True, 64),
     (2, 8, "float16", False, 32),

@@ -77,12 +77,16 @@ def build_chunk_forward(
     block_v: int = 64,
     store_chunk_states: bool = False,
     store_output: bool = True,
+    read_values: bool = True,
     chunk: int = 64,
 ):
     """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic.
 
     Without ``store_output`` the pass only walks the states (context parallelism's
     first two passes, the backward's recompute): no ``Q S``, ``P``, ``P U`` or ``o``.
+    Without ``read_values`` the values are zero (context parallelism's transition
+    pass, whose states are the segments' transition matrices): ``U = Kbar S``, and
+    neither ``v`` nor ``A_values`` is loaded.
     """
     import tilelang.language as T
 
@@ -92,6 +96,7 @@ def build_chunk_forward(
     assert num_v_heads % num_qk_heads == 0 and V % block_v == 0
     assert block_v in (32, 64, 128), block_v
     assert STAGES == 2  # P's ring is picked by stage parity
+    assert read_values or not store_output, "zero values are for the states-only passes"
     group = num_v_heads // num_qk_heads
     accum = "float32"
     register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
@@ -185,9 +190,10 @@ def build_chunk_forward(
                     # Round 1: U = Av V + Kbar S (two GEMMs into one accumulator, one
                     # commit group each) and Q S beside it.  Av V needs no state: it runs
                     # while the state goes to shared memory.
-                    T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
+                    if read_values:
+                        T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
                     T.copy(state, state_op)
-                    T.wgmma_gemm(kbar_op, state_op, u)
+                    T.wgmma_gemm(kbar_op, state_op, u, clear_accum=not read_values)
                     if store_output:
                         T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
                         T.wait_wgmma(1)
@@ -255,7 +261,8 @@ def build_chunk_forward(
                     # this stage races with these stores.
                     if n < C:
                         zero_rows_past(k_tile, st, n, C, K)
-                        zero_rows_past(v_tile, st, n, C, block_v)
+                        if read_values:
+                            zero_rows_past(v_tile, st, n, C, block_v)
 
                     # Q K^T first: its gates and mask then run while Ak K is still on the tensor cores.
                     if store_output:
@@ -303,9 +310,10 @@ def build_chunk_forward(
                     if store_output:
                         T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(v[s : s + C, hv, v0 : v0 + block_v], v_tile[st, :, :], barrier=loaded[st])
+                    if read_values:
+                        T.tma_copy(v[s : s + C, hv, v0 : v0 + block_v], v_tile[st, :, :], barrier=loaded[st])
+                        T.tma_copy(A_values[s : s + C, hv, :], a_values_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(A_values[s : s + C, hv, :], a_values_tile[st, :, :], barrier=loaded[st])
                     load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
                     T.barrier_arrive(loaded[st])
 
