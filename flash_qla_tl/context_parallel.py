@@ -94,6 +94,25 @@ def segment_chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: in
     return planning.chunk_table(seg_cu, total_tokens)
 
 
+def device_segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int):
+    """:func:`segment_table` on the device in one launch (``planning.device_pieces``)."""
+    from .kernels.sequence_pieces import SEGMENT_STARTS
+
+    slots = -(-total_tokens // seg_len) + cu_seqlens.numel() - 1
+    starts, first_segment, num_segments = planning.device_pieces(cu_seqlens, seg_len, SEGMENT_STARTS, slots + 1)
+    return starts.view(-1), first_segment, num_segments  # the extra last row is cu_seqlens[-1]
+
+
+def device_segment_chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int) -> torch.Tensor:
+    """:func:`segment_chunk_table` on the device in two launches."""
+    seg_cu, _, _ = device_segment_table(cu_seqlens, total_tokens, seg_len)
+    return planning.device_chunk_table(seg_cu, total_tokens)
+
+
+planning.DEVICE_BUILDS.update({segment_table: device_segment_table,
+                               segment_chunk_table: device_segment_chunk_table})
+
+
 def reversed_segments(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int) -> torch.Tensor:
     """``[U]`` int64: the segment slots with each sequence's segments in reverse order (an involution;
     unused slots map to themselves)."""

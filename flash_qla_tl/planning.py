@@ -11,8 +11,8 @@ the table is built there, cached by content, and copied over asynchronously: no
 kernel launches, and for offsets seen before no synchronisation either, so the
 host prepares a call while the GPU still runs the previous one (BENCHMARKS.md,
 "Forward, summary").  During capture nothing may be read on the host, and the
-same function builds the table on the device; the chunk table, which every
-call needs, by a kernel of its own in one launch (:data:`DEVICE_BUILDS`).
+same function builds the table on the device; the chunk and segment tables by
+a kernel of their own in one launch (:data:`DEVICE_BUILDS`).
 """
 
 from __future__ import annotations
@@ -115,19 +115,28 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     return (torch.stack([start, end, slot], 1) * (end > start)[:, None]).to(torch.int32)
 
 
-def device_chunk_table(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """:func:`chunk_table` on the device in one launch (``kernels/chunk_table.py``), not ~30 small kernels:
-    under CUDA-graph capture each of those is a node of the graph, replayed every call."""
-    from .kernels.chunk_table import build_chunk_table
+def device_pieces(cu_seqlens: torch.Tensor, piece: int, layout: str, num_rows: int):
+    """``(rows, first, count)`` of ``kernels/sequence_pieces.py`` in one launch: the pieces of ``piece`` tokens
+    of every sequence, per sequence its first piece and its count; under CUDA-graph capture each of the
+    ~30 small kernels of the PyTorch form would be a node of the graph, replayed every call."""
     from .kernels.compile import compile_program
+    from .kernels.sequence_pieces import ROW_WIDTH, build_sequence_pieces
 
     num_seqs = cu_seqlens.numel() - 1
     device = cu_seqlens.device
-    chunk_ends = torch.empty(num_seqs, dtype=torch.int32, device=device)
-    out = torch.empty(-(-total_tokens // CHUNK) + num_seqs, 3, dtype=torch.int32, device=device)
-    compile_program(build_chunk_table)(cu_seqlens.to(torch.int32), chunk_ends, out)
-    return out
+    first, count = (torch.empty(num_seqs, dtype=torch.int32, device=device) for _ in range(2))
+    rows = torch.empty(num_rows, ROW_WIDTH[layout], dtype=torch.int32, device=device)
+    compile_program(build_sequence_pieces, layout)(cu_seqlens.to(torch.int32), piece, first, count, rows)
+    return rows, first, count
 
 
-# The device builds that have a kernel of their own (the others run their PyTorch form on the device).
+def device_chunk_table(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """:func:`chunk_table` on the device in one launch."""
+    from .kernels.sequence_pieces import CHUNK_ROWS
+
+    return device_pieces(cu_seqlens, CHUNK, CHUNK_ROWS, -(-total_tokens // CHUNK) + cu_seqlens.numel() - 1)[0]
+
+
+# The device builds that have a kernel of their own (the others run their PyTorch form on the device);
+# context_parallel adds its segment tables.
 DEVICE_BUILDS = {chunk_table: device_chunk_table}

@@ -28,7 +28,6 @@ from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step  # noqa
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients  # noqa: E402
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep  # noqa: E402
-from flash_qla_tl.kernels.chunk_table import build_chunk_table  # noqa: E402
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
@@ -37,6 +36,7 @@ from flash_qla_tl.kernels.recurrent_step import BLOCK_WIDTHS as DECODE_WIDTHS  #
 from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step  # noqa: E402
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass  # noqa: E402
 from flash_qla_tl.kernels.segment_scan import build_segment_scan  # noqa: E402
+from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces  # noqa: E402
 from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows  # noqa: E402
 
 QWEN_HEADS = "2x8,4x16,8x32,16x64,16x32,16x48,16x16,32x32"
@@ -63,7 +63,8 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
     if "forward" not in kernels and "backward" not in kernels:
         return out
     out += [(build_inverse_norms, (hqk, 128, dtype)), (build_chunk_prep, (hqk, hv, 128, dtype, False)),
-            (build_zero_tail_rows, (hv * 128, dtype)), (build_chunk_table, ())]
+            (build_zero_tail_rows, (hv * 128, dtype)), (build_sequence_pieces, (CHUNK_ROWS,)),
+            (build_sequence_pieces, (SEGMENT_STARTS,))]
     out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b))
             for (h0, ht), b in itertools.product(flags, widths)]
     if all_flags:  # context parallelism's scan and its first two passes (states only; the second with zero values)

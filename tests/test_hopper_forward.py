@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_qla_tl as fq
-from flash_qla_tl import planning, reference
+from flash_qla_tl import context_parallel, planning, reference
 from helpers import HOPPER, hopper_inputs, make_inputs, rel_rms
 
 pytestmark = HOPPER
@@ -166,8 +166,6 @@ def test_chunk_prep_intermediates():
 
 def test_context_parallel_is_as_precise_as_one_pass(monkeypatch):
     """No decay at all (the transitions M carry everything): splitting must not add error."""
-    from flash_qla_tl import context_parallel
-
     x = _inputs(seqs=[30000, 2030], decay="none", initial_state=True)
     ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
     o_ref, s_ref = reference.chunked_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -250,18 +248,26 @@ def test_segment_scan_composes_affine_segment_maps():
 
 
 @pytest.mark.parametrize("num_seqs", [1, 7, 1500])  # 1500: more sequences than the kernel's threads
-def test_chunk_table_kernel_matches_its_specification(num_seqs):
-    """The one-launch chunk table of CUDA-graph capture against ``planning.chunk_table``: empty, one-token
-    and long sequences, int64 and int32 offsets, rows past the last sequence."""
+def test_table_kernels_match_their_specifications(num_seqs):
+    """The one-launch chunk and segment tables of CUDA-graph capture against their PyTorch forms
+    (``planning.chunk_table``, ``context_parallel.segment_table`` / ``segment_chunk_table``): empty,
+    one-token and long sequences, int64 and int32 offsets, rows past the last sequence."""
     gen = torch.Generator().manual_seed(num_seqs)
     lengths = torch.randint(0, 300, (num_seqs,), generator=gen)
     lengths[::3] = 0
     lengths[1::5] = 1
+    lengths[-1] = 1000 if num_seqs > 1 else 0  # a long last sequence (or nothing at all)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     total = int(cu[-1]) + 5  # tokens past the last sequence (a graph runtime's padding)
-    want = planning.chunk_table(cu, total)
     for dtype in (torch.int64, torch.int32):
-        assert torch.equal(planning.device_chunk_table(cu.to(dtype).cuda(), total).cpu(), want)
+        offsets = cu.to(dtype).cuda()
+        assert torch.equal(planning.device_chunk_table(offsets, total).cpu(), planning.chunk_table(cu, total))
+        for seg_len in (64, 256, 1024):
+            want = context_parallel.segment_table(cu, total, seg_len)
+            got = context_parallel.device_segment_table(offsets, total, seg_len)
+            assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), seg_len
+            assert torch.equal(context_parallel.device_segment_chunk_table(offsets, total, seg_len).cpu(),
+                               context_parallel.segment_chunk_table(cu, total, seg_len))
 
 
 def test_forward_replays_in_a_cuda_graph_with_padded_tokens():

@@ -13,7 +13,7 @@ from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
 from flash_qla_tl.kernels.chunk_pipeline import CHAIN_REGS, LOADER_REGS, PREP_REGS, register_split
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
-from flash_qla_tl.kernels.chunk_table import build_chunk_table
+from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
 from flash_qla_tl.kernels.compile import compile_program
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
@@ -33,8 +33,9 @@ def shared_memory_used(source: str) -> int:
     return max(offsets, default=0)
 
 
-def test_chunk_table_compiles():
-    source = compile_program(build_chunk_table).get_kernel_source()
+@pytest.mark.parametrize("layout", [CHUNK_ROWS, SEGMENT_STARTS])
+def test_sequence_pieces_compiles(layout):
+    source = compile_program(build_sequence_pieces, layout).get_kernel_source()
     assert "__launch_bounds__(1024, 1)" in source  # one program: the scan carries from tile to tile
 
 
