@@ -270,6 +270,27 @@ def test_table_kernels_match_their_specifications(num_seqs):
                                context_parallel.segment_chunk_table(cu, total, seg_len))
 
 
+@pytest.mark.parametrize("plan", [(32, 1024), (128, 2048)], ids=["narrow", "whole heads"])
+def test_context_parallel_replays_in_a_cuda_graph(plan):
+    """Under capture the segment tables come from the device (one kernel each): a replay gives the eager
+    call's bits, with empty and one-token sequences among long ones."""
+    from flash_qla_tl import hopper_forward
+
+    x = _inputs(seqs=[5000, 0, 1, 2100], initial_state=True, hqk=1, hv=4)
+    kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              plan=hopper_forward.StatePassPlan(*plan))
+    eager = hopper_forward.chunk_forward(**x, **kw)  # also compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = hopper_forward.chunk_forward(**x, **kw)
+    for t in captured:
+        t.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(c, e) for c, e in zip(captured, eager))
+
+
 def test_forward_replays_in_a_cuda_graph_with_padded_tokens():
     """Under capture nothing is read on the host: the tables come from the offsets on the device, rows past
     the last sequence (a graph runtime's padding) come out as zeros, and new offsets written into the
