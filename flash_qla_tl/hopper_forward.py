@@ -3,8 +3,9 @@
 0. ``inverse_norms`` (with ``use_qk_l2norm_in_kernel``): ``1 / |row|`` of q and k,
    applied later as fp32 scales (q and k themselves are never rewritten).
 1. ``chunk_prep`` (all chunks at once): the gate cumsum and the gate-free chunk
-   inverse ``A = A0 diag(beta)``, written as the two GEMM operands the state
-   pass needs (``-diag(G) A diag(rk)`` for the keys, ``A o E`` for the values).
+   inverse ``A = A0 diag(beta)``, written as the GEMM operands the state pass
+   needs: ``A o E`` for the values, and ``-diag(G) A diag(rk)`` for the keys where
+   the pass forms ``Kbar`` in prep (:func:`kbar_in_prep`).
 2. ``chunk_forward`` (one program per sequence, value head and block of 32, 64
    or 128 value columns, :func:`plan_state_pass`): the state pass fused with the
    value correction and the output; context parallelism on top for a few long
@@ -31,6 +32,10 @@ KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # fp32 too: the dtypes in which a kernel reads a small operand as it is (gates, parameters).
 OPERAND_DTYPES = {torch.float32: "float32", **KERNEL_DTYPES}
 BLOCK_WIDTHS = (32, 64, 128)  # value columns per state-pass program (chunk_forward's block_v)
+# Programs at least this wide form Kbar = A_keys K in their prep warpgroup; narrower ones
+# correct the values in their chain (chunk_forward's docstring): Kbar does not depend on
+# the value block, so narrow programs would form it once per block, and wait for it.
+KBAR_MIN_WIDTH = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,6 +114,11 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
     return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
 
 
+def kbar_in_prep(block_v: int) -> bool:
+    """Which form of the value correction the state pass of ``block_v`` columns runs (chunk_forward)."""
+    return block_v >= KBAR_MIN_WIDTH
+
+
 def one_wave_width(widths, heads: int, sms: int) -> int:
     """The narrowest of ``widths`` (value columns per program, ascending) whose programs for ``heads``
     (sequence, value head) pairs all fit on ``sms`` SMs at once, else the widest."""
@@ -127,7 +137,7 @@ class ChunkOperands:
     k_norm: torch.Tensor
     beta: torch.Tensor  # [T, Hv] fp32
     gamma: torch.Tensor  # [T, Hv padded to 4] fp32, chunk-local cumsum of g in log2 units
-    a_keys: torch.Tensor  # [T, Hv, 64]
+    a_keys: torch.Tensor | None  # [T, Hv, 64], or None where no pass forms Kbar in prep
     a_values: torch.Tensor  # [T, Hv, 64]
     a_inverse: torch.Tensor | None  # [T, Hv, 64] A0 (the backward's), else None
     cu_seqlens: torch.Tensor  # [N + 1] int32 (dense batches too)
@@ -142,8 +152,10 @@ class ChunkOperands:
         return self.q.shape[1], self.v.shape[1], self.q.shape[2], self.v.shape[2], self.dtype
 
 
-def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=False) -> ChunkOperands:
-    """Steps 0 and 1 of the module docstring on non-empty validated inputs (``store_inverse``: keep A0 too)."""
+def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=False,
+                   store_keys=True) -> ChunkOperands:
+    """Steps 0 and 1 of the module docstring on non-empty validated inputs (``store_inverse``: keep A0 too;
+    ``store_keys``: A_keys, which the backward and the state passes that form Kbar in prep read)."""
     from .kernels.chunk_prep import build_chunk_prep
     from .kernels.compile import compile_program
     from .kernels.inverse_norms import build_inverse_norms, padded_heads
@@ -171,11 +183,13 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     g, beta = packed_tokens(g).float(), packed_tokens(beta).float()
 
     gamma = torch.empty(total, padded_heads(hv), dtype=torch.float32, device=device)
-    a_keys, a_values = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) for _ in range(2))
-    a_inverse = torch.empty(total, hv, 64, dtype=q.dtype, device=device) if store_inverse else None
-    prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype, store_inverse)
-    prep(k, k_norm, g, beta, chunks, gamma, a_keys, a_values,
-         a_inverse if store_inverse else placeholder((1, hv, 64), q.dtype, device))
+    a_values = torch.empty(total, hv, 64, dtype=q.dtype, device=device)
+    a_keys, a_inverse = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) if wanted else None
+                         for wanted in (store_keys, store_inverse))
+    prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype, store_inverse, store_keys)
+    unused = placeholder((1, hv, 64), q.dtype, device)
+    prep(k, k_norm, g, beta, chunks, gamma, unused if a_keys is None else a_keys, a_values,
+         unused if a_inverse is None else a_inverse)
     return ChunkOperands(q, k, v, q_norm, k_norm, beta, gamma, a_keys, a_values, a_inverse, cu_seqlens, chunks,
                          plan_offsets, reference.query_scale(scale, kdim), dtype)
 
@@ -197,9 +211,12 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, 
     states = offsets.numel() - 1
     no_state = placeholder_state(hv, kdim, vdim, device)
     ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else no_state
+    kbar = kbar_in_prep(block_v)
+    assert not kbar or ops.a_keys is not None, "prepare_chunks(store_keys=False) for a pass that reads A_keys"
     kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
-                             block_v, chunk_states is not None, out is not None, values is not None)
-    kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v if values is None else values, ops.gamma, ops.a_keys, ops.a_values, offsets,
+                             block_v, chunk_states is not None, out is not None, values is not None, kbar)
+    a_keys = ops.a_keys if kbar else placeholder((1, hv, 64), ops.v.dtype, device)
+    kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v if values is None else values, ops.gamma, a_keys, ops.a_values, offsets,
            no_state if h0 is None else h0, ops.scale,
            placeholder((1, hv, vdim), ops.v.dtype, device) if out is None else out, ht,
            placeholder_state(hv, kdim, vdim, device, ops.v.dtype) if chunk_states is None else chunk_states)
@@ -220,11 +237,13 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         ht = (initial_state.float().clone() if initial_state is not None
               else torch.zeros(num_seqs, hv, kdim, vdim, dtype=torch.float32, device=v.device))
         return o, (ht if output_final_state else None)
-    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens)
-    total, device = batch * length, ops.v.device
+    total = batch * length
+    plan = plan or plan_state_pass(total, num_seqs, hv, v.device)
+    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
+                         store_keys=kbar_in_prep(plan.block_v))
+    device = ops.v.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
-    plan = plan or plan_state_pass(total, num_seqs, hv, device)
     if plan.segment_tokens is None:
         ht = state_pass(ops, ops.v, ops.cu_seqlens, h0, output_final_state, o, plan.block_v)
     else:

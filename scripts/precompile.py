@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flash_qla_tl.hopper_forward import kbar_in_prep  # noqa: E402
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step  # noqa: E402
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients  # noqa: E402
@@ -62,21 +63,25 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
                 (build_gated_rms_norm, (128, dtype))]
     if "forward" not in kernels and "backward" not in kernels:
         return out
-    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_chunk_prep, (hqk, hv, 128, dtype, False)),
+    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_chunk_prep, (hqk, hv, 128, dtype, False, False)),
+            (build_chunk_prep, (hqk, hv, 128, dtype, False, True)),
             (build_zero_tail_rows, (hv * 128, dtype)), (build_sequence_pieces, (CHUNK_ROWS,)),
             (build_sequence_pieces, (SEGMENT_STARTS,))]
-    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b))
+    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, kbar_in_prep(b)))
             for (h0, ht), b in itertools.product(flags, widths)]
     if all_flags:  # context parallelism's scan and its first two passes (states only; the second with zero values)
         out.append((build_segment_scan, (hv, 128, 128)))
-        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False)) for b in widths]
-        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, True, b, False, False, False)) for b in widths]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, True, kbar_in_prep(b)))
+                for b in widths]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, True, b, False, False, False, kbar_in_prep(b)))
+                for b in widths]
     if "backward" in kernels:
-        out += [(build_chunk_prep, (hqk, hv, 128, dtype, True)),
+        out += [(build_chunk_prep, (hqk, hv, 128, dtype, True, True)),
                 (build_chunk_local_gradients, (hqk, hv, 128, 128, dtype))]
         out += [(build_qk_input_gradients, (hqk, hv, 128, dtype, l2norm)) for l2norm in (True, False)]
         for has_state, b in itertools.product([True, False], [b for b in widths if b in BACKWARD_WIDTHS]):
-            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False)))
+            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
+                                              kbar_in_prep(b))))
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b)))
     return out
 

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from flash_qla_tl import hopper_forward
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
@@ -85,11 +86,13 @@ def test_inverse_norms_compiles(dtype):
     assert "rsqrt" in source
 
 
-@pytest.mark.parametrize("hqk,hv,dtype,store_inverse", [(16, 32, "bfloat16", False), (2, 8, "float16", True)])
-def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse):
-    source = compile_program(build_chunk_prep, hqk, hv, 128, dtype, store_inverse).get_kernel_source()
+@pytest.mark.parametrize("hqk,hv,dtype,store_inverse,store_keys", [
+    (16, 32, "bfloat16", False, True), (16, 32, "bfloat16", False, False), (2, 8, "float16", True, True)])
+def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys):
+    source = compile_program(build_chunk_prep, hqk, hv, 128, dtype, store_inverse, store_keys).get_kernel_source()
     assert "wgmma" in source  # the Gram matrix runs on the tensor cores
     assert ("(A_inverse + " in source) == store_inverse  # 16-byte stores of A0 rows
+    assert ("(A_keys + " in source) == store_keys and "(A_values + " in source
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,has_h0,store_ht,block_v", [
@@ -100,8 +103,8 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse):
     (2, 6, "float16", True, True, 128),  # Hv not a multiple of the gates' TMA box of 4 heads
 ])
 def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht, block_v):
-    source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht,
-                             block_v).get_kernel_source()
+    source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht, block_v, False, True,
+                             True, hopper_forward.kbar_in_prep(block_v)).get_kernel_source()
     assert "wgmma" in source and "q_desc" in source
     # whole chunks of o leave by TMA, a sequence's short last chunk row by row
     assert "tma_store(o_desc" in source and "tma_store_wait" in source and "(o + " in source
@@ -116,13 +119,28 @@ def test_register_split_fits_the_launch():
     assert sum(register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)) * 128 == 65536  # the state passes
 
 
-@pytest.mark.parametrize("block_v", [32, 128])
+@pytest.mark.parametrize("block_v", [32, 64, 128])
 def test_transition_pass_reads_no_values(block_v):
-    """Context parallelism's transition pass (zero values): U = Kbar S alone, neither v nor A_values loaded."""
+    """Context parallelism's transition pass (zero values) loads no v: U = Kbar S (A_keys, no A_values),
+    or in the narrow form U = -Av diag(G rk) K S (A_values, no A_keys)."""
+    kbar = hopper_forward.kbar_in_prep(block_v)
     source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", True, True, block_v, False, False,
-                             False).get_kernel_source()
-    assert "tma_load(k_desc" in source and "tma_load(A_keys_desc" in source
-    assert "tma_load(v_desc" not in source and "tma_load(A_values_desc" not in source
+                             False, kbar).get_kernel_source()
+    assert "tma_load(k_desc" in source and "tma_load(v_desc" not in source
+    assert ("tma_load(A_keys_desc" in source) == kbar and ("tma_load(A_values_desc" in source) != kbar
+
+
+@pytest.mark.parametrize("block_v", [32, 64])
+def test_narrow_programs_correct_values_in_the_chain(block_v):
+    """Without kbar_in_prep: no A_keys load and no Kbar; the chain's W goes to shared memory by stmatrix."""
+    source = compile_program(build_chunk_forward, 16, 32, 128, 128, "bfloat16", True, True, block_v, False, True,
+                             True, False).get_kernel_source()
+    assert "tma_load(A_keys_desc" not in source and "kbar" not in source
+    assert "tma_load(A_values_desc" in source and "tma_load(v_desc" in source
+    assert "ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)w_op)" in source
+    assert shared_memory_used(source) < SMEM_PER_BLOCK
+    with pytest.raises(AssertionError):  # the decayed keys' ring does not fit beside 128-column operands
+        build_chunk_forward(16, 32, 128, 128, "bfloat16", True, True, 128, False, True, True, False)
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,has_dht,block_v", [
@@ -132,7 +150,8 @@ def test_transition_pass_reads_no_values(block_v):
 ])
 def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     """The backward's recompute (the forward storing every chunk's entering state, no output) and reverse pass."""
-    recompute = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_dht, False, block_v, True, False)
+    recompute = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_dht, False, block_v, True, False,
+                                True, hopper_forward.kbar_in_prep(block_v))
     source = recompute.get_kernel_source()
     assert "chunk_states" in source and "(o + " not in source and "q_desc" not in source  # no output, no q
     source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v).get_kernel_source()

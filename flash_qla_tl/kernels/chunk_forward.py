@@ -17,6 +17,22 @@ norms of the queries and keys, ``G = exp2(gamma)`` and
 (``rq = rk = 1`` without l2norm.)  Raw q and k are the GEMM operands; the norms
 are fp32 scales (see inverse_norms).
 
+Narrow programs (``kbar_in_prep=False``, 32 or 64 columns) correct the values in
+the chain instead.  ``Ak = -(A o E) diag(G rk)`` (both sides are lower triangular
+and ``A o E = diag(G) A diag(G)^-1``), so
+
+    W    = V - diag(G rk) K S
+    U    = Av W
+
+and no ``Ak K``.  That GEMM (64 x 64 x K) does not depend on the value block, so
+with ``V / block_v`` programs per head prep repeated it for every block, and at 32
+columns the chain waited ~1100 of ~3900 cycles per chunk for prep (clock64
+traces, notes/forward-budget.md).  The price is a second dependent GEMM in the
+chain's first round (``K S``, then ``Av W``), small at these widths.  Prep then
+writes the decayed keys to a ring of their own, since the chain's ``K S`` reads
+the raw ones, and ``A_keys`` is neither loaded nor (chunk_prep's
+``store_keys``) written.
+
 U and the per-chunk states never leave the chip, and neither does Kbar (the WY
 ``w``): it lives in shared memory for one chunk.  The state update reads the
 keys already decayed to the chunk end, ``Kd = diag(exp2(gamma_last - gamma) rk)
@@ -78,6 +94,7 @@ def build_chunk_forward(
     store_chunk_states: bool = False,
     store_output: bool = True,
     read_values: bool = True,
+    kbar_in_prep: bool = True,
     chunk: int = 64,
 ):
     """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic.
@@ -86,7 +103,9 @@ def build_chunk_forward(
     first two passes, the backward's recompute): no ``Q S``, ``P``, ``P U`` or ``o``.
     Without ``read_values`` the values are zero (context parallelism's transition
     pass, whose states are the segments' transition matrices): ``U = Kbar S``, and
-    neither ``v`` nor ``A_values`` is loaded.
+    neither ``v`` nor ``A_values`` is loaded (without ``kbar_in_prep``: ``W = -diag(G rk) K S``,
+    no ``v``).  ``kbar_in_prep`` picks the form of the value correction (module docstring):
+    whole-head programs form ``Kbar`` in prep, narrower ones correct the values in the chain.
     """
     import tilelang.language as T
 
@@ -97,6 +116,7 @@ def build_chunk_forward(
     assert block_v in (32, 64, 128), block_v
     assert STAGES == 2  # P's ring is picked by stage parity
     assert read_values or not store_output, "zero values are for the states-only passes"
+    assert kbar_in_prep or block_v < V, "the decayed keys' ring does not fit next to 128-column operands"
     group = num_v_heads // num_qk_heads
     accum = "float32"
     register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
@@ -109,6 +129,7 @@ def build_chunk_forward(
     num_states_in = T.dynamic("NS")
     num_states_out = T.dynamic("NS_out")
     num_chunk_slots = T.dynamic("NC")
+    num_key_rows = T.dynamic("T_keys")  # A_keys: a one-row placeholder without kbar_in_prep
 
     @T.prim_func
     def chunk_forward(
@@ -118,7 +139,7 @@ def build_chunk_forward(
         k_norm: T.Tensor([num_tokens, padded_heads(num_qk_heads)], accum),
         v: T.Tensor([num_tokens, num_v_heads, V], dtype),
         gamma: T.Tensor([num_tokens, padded_heads(num_v_heads)], accum),
-        A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
+        A_keys: T.Tensor([num_key_rows, num_v_heads, C], dtype),
         A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),
         cu_seqlens: T.Tensor([num_seqs + 1], "int32"),
         initial_state: T.Tensor([num_states_in, num_v_heads, K, V], accum),
@@ -140,7 +161,8 @@ def build_chunk_forward(
             q_tile = T.alloc_shared([STAGES, C, K], dtype)
             k_tile = T.alloc_shared([STAGES, C, K], dtype)
             v_tile = T.alloc_shared([STAGES, C, block_v], dtype)
-            a_keys_tile = T.alloc_shared([STAGES, C, C], dtype)
+            if kbar_in_prep:
+                a_keys_tile = T.alloc_shared([STAGES, C, C], dtype)
             a_values_tile = T.alloc_shared([STAGES, C, C], dtype)
             gamma_tile = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             q_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
@@ -149,7 +171,12 @@ def build_chunk_forward(
             # ring (same stage index as the inputs).  P's ring is two 2-D buffers, not one
             # 3-D buffer: an accumulator's copy into a slice of a 3-D buffer lowers to
             # 16 four-byte stores per thread, into a whole 2-D buffer to 4 stmatrix.
-            kbar_op = T.alloc_shared([C, K], dtype)  # Ak K
+            if kbar_in_prep:
+                kbar_op = T.alloc_shared([C, K], dtype)  # Ak K
+                kbar_read = T.alloc_barrier(arrive_count=CHAIN_THREADS)  # completion c: chunk c's Kbar S is done
+            else:
+                keys_decayed = T.alloc_shared([STAGES, C, K], dtype)  # Kd (the chain's K S reads k raw)
+                key_gate = T.alloc_shared([STAGES, C], accum)  # exp2(gamma_r) rk_r, 0 past n
             p_op = [T.alloc_shared([C, C], dtype) for _ in range(STAGES)]  # scale (Q K^T) o E
             out_gate = T.alloc_shared([STAGES, C], accum)  # scale exp2(gamma_r) rq_r, 0 past n
             decay_to_end = T.alloc_shared([STAGES, C], accum)  # exp2(gamma_last - gamma_r) rk_r, 0 past n
@@ -158,18 +185,21 @@ def build_chunk_forward(
             loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
             prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
             consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
-            kbar_read = T.alloc_barrier(arrive_count=CHAIN_THREADS)  # completion c: chunk c's Kbar S is done
 
             # The chain's tensor-core operands.
             state_op = T.alloc_shared([K, block_v], dtype)  # S
             u_op = T.alloc_shared([C, block_v], dtype)  # U
+            if not kbar_in_prep:
+                w_op = T.alloc_shared([C, block_v], dtype)  # W = V - diag(G rk) K S
 
             state = T.alloc_fragment([K, block_v], accum)
             u = T.alloc_fragment([C, block_v], accum)
             out = T.alloc_fragment([C, block_v], accum)
-            kbar = T.alloc_fragment([C, K], accum)
+            if kbar_in_prep:
+                kbar = T.alloc_fragment([C, K], accum)
             qk = T.alloc_fragment([C, C], accum)
-            k_decayed = T.alloc_fragment([C, K], dtype)
+            if kbar_in_prep:
+                k_decayed = T.alloc_fragment([C, K], dtype)
 
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
@@ -187,19 +217,39 @@ def build_chunk_forward(
                         T.copy(state, chunk_states[bos // C + seq + c, hv, :, v0 : v0 + block_v])
                     T.barrier_wait(prepared[st], (c // STAGES) % 2)
 
-                    # Round 1: U = Av V + Kbar S (two GEMMs into one accumulator, one
-                    # commit group each) and Q S beside it.  Av V needs no state: it runs
-                    # while the state goes to shared memory.
-                    if read_values:
-                        T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
-                    T.copy(state, state_op)
-                    T.wgmma_gemm(kbar_op, state_op, u, clear_accum=not read_values)
-                    if store_output:
-                        T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
-                        T.wait_wgmma(1)
+                    if kbar_in_prep:
+                        # Round 1: U = Av V + Kbar S (two GEMMs into one accumulator, one
+                        # commit group each) and Q S beside it.  Av V needs no state: it runs
+                        # while the state goes to shared memory.
+                        if read_values:
+                            T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
+                        T.copy(state, state_op)
+                        T.wgmma_gemm(kbar_op, state_op, u, clear_accum=not read_values)
+                        if store_output:
+                            T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
+                            T.wait_wgmma(1)
+                        else:
+                            T.wait_wgmma(0)
+                        T.barrier_arrive(kbar_read)
                     else:
+                        # Round 1: K S (and Q S beside it), W = V - diag(G rk) K S, U = Av W.
+                        T.copy(state, state_op)
+                        T.wgmma_gemm(k_tile[st, :, :], state_op, u, clear_accum=True)
+                        if store_output:
+                            T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
+                            T.wait_wgmma(1)
+                        else:
+                            T.wait_wgmma(0)
+                        for i, j in T.Parallel(C, block_v):
+                            if read_values:
+                                u[i, j] = v_tile[st, i, j] - key_gate[st, i] * u[i, j]
+                            else:
+                                u[i, j] = -key_gate[st, i] * u[i, j]
+                        T.copy(u, w_op)
+                        T.fence_proxy_async()  # the other chain warpgroup's GEMM reads it
+                        T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+                        T.wgmma_gemm(a_values_tile[st, :, :], w_op, u, clear_accum=True)
                         T.wait_wgmma(0)
-                    T.barrier_arrive(kbar_read)
 
                     # U is done (Q S may still run): mask its padded rows, and decay the state.
                     for i, j in T.Parallel(C, block_v):
@@ -222,7 +272,10 @@ def build_chunk_forward(
                             T.wgmma_gemm(p_op[0], u_op, out)
                         else:
                             T.wgmma_gemm(p_op[1], u_op, out)
-                    T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True)
+                    if kbar_in_prep:
+                        T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True)
+                    else:
+                        T.wgmma_gemm(keys_decayed[st, :, :], u_op, state, transpose_A=True)
                     T.wait_wgmma(0)
                     # Every read of this stage (both rings) has completed.
                     T.barrier_arrive(consumed[st])
@@ -267,8 +320,13 @@ def build_chunk_forward(
                     # Q K^T first: its gates and mask then run while Ak K is still on the tensor cores.
                     if store_output:
                         T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
+                    if kbar_in_prep:
+                        T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
                     for i in T.Parallel(C):
+                        if not kbar_in_prep:
+                            key_gate[st, i] = T.Select(
+                                i < n, T.exp2(gamma_tile[st, i, hg]) * k_scale[st, i, hkn], T.float32(0)
+                            )
                         if store_output:
                             out_gate[st, i] = T.Select(
                                 i < n, T.exp2(gamma_tile[st, i, hg]) * scale * q_scale[st, i, hkn], T.float32(0)
@@ -279,23 +337,29 @@ def build_chunk_forward(
                         if i == 0:
                             chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
                     if store_output:
-                        T.wait_wgmma(1)
+                        T.wait_wgmma(1 if kbar_in_prep else 0)
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
                         if st == 0:
                             T.copy(qk, p_op[0])
                         else:
                             T.copy(qk, p_op[1])
-                    T.wait_wgmma(0)
-                    # Both GEMMs have read the keys: from here on they only feed the
-                    # chain's state update, so decay them to the chunk end (0 past n).
-                    # Read all, then write all: one barrier, not one per row block.
-                    for i, d in T.Parallel(C, K):
-                        k_decayed[i, d] = k_tile[st, i, d] * decay_to_end[st, i]
-                    T.copy(k_decayed, k_tile[st, :, :])
-                    # Kbar's slot is free once the chain's first round of chunk c - 1 is done.
-                    if c > 0:
-                        T.barrier_wait(kbar_read, (c - 1) % 2)
-                    T.copy(kbar, kbar_op)
+                    if kbar_in_prep:
+                        T.wait_wgmma(0)
+                        # Both GEMMs have read the keys: from here on they only feed the
+                        # chain's state update, so decay them to the chunk end (0 past n).
+                        # Read all, then write all: one barrier, not one per row block.
+                        for i, d in T.Parallel(C, K):
+                            k_decayed[i, d] = k_tile[st, i, d] * decay_to_end[st, i]
+                        T.copy(k_decayed, k_tile[st, :, :])
+                        # Kbar's slot is free once the chain's first round of chunk c - 1 is done.
+                        if c > 0:
+                            T.barrier_wait(kbar_read, (c - 1) % 2)
+                        T.copy(kbar, kbar_op)
+                    else:
+                        # The chain's K S reads the raw keys: the decayed ones get a ring of their
+                        # own (stage st was last read by chunk c - 2's state update, as P's).
+                        for i, d in T.Parallel(C, K):
+                            keys_decayed[st, i, d] = k_tile[st, i, d] * decay_to_end[st, i]
                     # The chain reads these (and the zeroed v rows) with wgmma, the async proxy.
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
@@ -312,8 +376,10 @@ def build_chunk_forward(
                     T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     if read_values:
                         T.tma_copy(v[s : s + C, hv, v0 : v0 + block_v], v_tile[st, :, :], barrier=loaded[st])
+                    if read_values or not kbar_in_prep:
                         T.tma_copy(A_values[s : s + C, hv, :], a_values_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
+                    if kbar_in_prep:
+                        T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
                     T.barrier_arrive(loaded[st])
 

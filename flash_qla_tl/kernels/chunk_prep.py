@@ -9,11 +9,12 @@ For one chunk of ``n <= C`` tokens (first token ``s``) and one value head:
   inverse_norms, or ones without l2norm), applied in fp32 to the raw Gram matrix.
   ``M`` carries no gate: the gated inverse is ``A0 (.) E`` (DESIGN.md section 2),
   so the solve never sees ``g`` and the decay is applied afterwards, elementwise.
-* the two GEMM operands the forward's state pass reads straight from HBM, in
-  the tensor-core operand dtype, so that none of this elementwise work lands on
-  its serial chain: ``A_keys = -diag(G) A diag(r)`` (so ``Kbar = -diag(G) A Kn =
-  A_keys K``, ``G = exp2(gamma)``) and ``A_values = A (.) E``
-  (``E[r, j] = exp2(gamma_r - gamma_j)``, ``j <= r``), which multiplies V.
+* the GEMM operands the state passes read straight from HBM, in the
+  tensor-core operand dtype, so that none of this elementwise work lands on
+  their serial chains: ``A_values = A (.) E`` (``E[r, j] = exp2(gamma_r -
+  gamma_j)``, ``j <= r``), which multiplies the values, and (``store_keys``)
+  ``A_keys = -diag(G) A diag(r)`` (so ``Kbar = -diag(G) A Kn = A_keys K``,
+  ``G = exp2(gamma)``), which multiplies the keys where a pass forms ``Kbar``.
 
 ``I + M`` is unit lower triangular, so ``A0`` needs no division.  It is inverted
 by 16 x 16 blocks, all in fp32 CUDA-core arithmetic: the four diagonal blocks
@@ -47,7 +48,8 @@ LOG2_E = math.log2(math.e)
 
 
 def build_chunk_prep(
-    num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str, store_inverse: bool = False, chunk: int = 64
+    num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str, store_inverse: bool = False,
+    store_keys: bool = True, chunk: int = 64
 ):
     """Build the ``chunk_prep`` PrimFunc (contract: notes/kernel-interfaces.md).
 
@@ -55,7 +57,9 @@ def build_chunk_prep(
     (chunks) are symbolic, so one binary serves every length.  ``store_inverse``
     (the backward) also writes ``A0`` itself, which the local gradients need and
     cannot recover from ``A_values`` once ``E`` underflows; otherwise ``A_inverse``
-    may be a one-row placeholder (its rows are their own symbol).
+    may be a one-row placeholder (its rows are their own symbol).  Without
+    ``store_keys`` (a forward whose state pass corrects the values in its chain,
+    chunk_forward) ``A_keys`` is not written and may be a placeholder too.
     """
     if num_v_heads % num_qk_heads != 0:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_qk_heads ({num_qk_heads})")
@@ -76,6 +80,7 @@ def build_chunk_prep(
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
     num_inverse_rows = T.dynamic("num_inverse_rows")
+    num_keys_rows = T.dynamic("num_keys_rows")
 
     def group_of(row, col):
         """Where group ``col // G`` of row ``row`` of ``Mt`` is stored: the group index XOR the row's
@@ -194,15 +199,18 @@ def build_chunk_prep(
         inverse_row = T.alloc_local([8], dtype)
         for e in T.unroll(8):
             col_beta[e] = beta_tile[j0 + e]
-            col_key[e] = beta_tile[j0 + e] * k_scale[j0 + e]
+            if store_keys:
+                col_key[e] = beta_tile[j0 + e] * k_scale[j0 + e]
             col_gamma[e] = gamma_tile[j0 + e] * LOG2_E
         for i in T.unroll(C // 16):
             r = thread // 8 + 16 * i
             for e in T.vectorized(8):
                 x_row[e] = X[r, j0 + e]
             for e in T.unroll(8):
-                below = (j0 + e) // B <= r // B
-                keys_row[e] = T.cast(T.if_then_else(below, row_gate[r] * x_row[e] * col_key[e], T.float32(0)), dtype)
+                if store_keys:
+                    below = (j0 + e) // B <= r // B
+                    keys_row[e] = T.cast(T.if_then_else(below, row_gate[r] * x_row[e] * col_key[e], T.float32(0)),
+                                         dtype)
                 values_row[e] = T.cast(
                     T.if_then_else(j0 + e <= r,
                                    x_row[e] * col_beta[e] * T.exp2(gamma_tile[r] * LOG2_E - col_gamma[e]),
@@ -212,8 +220,9 @@ def build_chunk_prep(
                 if store_inverse:
                     inverse_row[e] = T.cast(T.if_then_else(j0 + e <= r, x_row[e], T.float32(0)), dtype)
             if r < n:
-                for e in T.vectorized(8):
-                    A_keys[s + r, head, j0 + e] = keys_row[e]
+                if store_keys:
+                    for e in T.vectorized(8):
+                        A_keys[s + r, head, j0 + e] = keys_row[e]
                 for e in T.vectorized(8):
                     A_values[s + r, head, j0 + e] = values_row[e]
                 if store_inverse:
@@ -228,7 +237,7 @@ def build_chunk_prep(
         beta: T.Tensor([num_tokens, num_v_heads], "float32"),
         chunk_table: T.Tensor([num_chunks, 3], "int32"),
         gamma: T.Tensor([num_tokens, padded_heads(num_v_heads)], "float32"),
-        A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
+        A_keys: T.Tensor([num_keys_rows, num_v_heads, C], dtype),
         A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),
         A_inverse: T.Tensor([num_inverse_rows, num_v_heads, C], dtype),
     ):
@@ -271,7 +280,8 @@ def build_chunk_prep(
                 # Sum in natural log, then change base once: gamma_r = log2(e) * sum_{j<=r} g_j.
                 T.cumsum(src=g_tile, dst=gamma_tile, dim=0)
                 for r in T.Parallel(C):
-                    row_gate[r] = -T.exp2(gamma_tile[r] * LOG2_E)
+                    if store_keys:
+                        row_gate[r] = -T.exp2(gamma_tile[r] * LOG2_E)
                     if r < n:
                         gamma[s + r, head] = gamma_tile[r] * LOG2_E
 
