@@ -61,9 +61,11 @@ it, one chunk ahead:
   (the chain's second round of chunk c leaves it the time), so that 128-column
   programs fit the 227 KB of shared memory (a second prep warpgroup on
   alternate chunks, tried for 32-column programs whose chain waits for prep,
-  measured 1-6% slower on an H200: notes/forward-budget.md);
-* warpgroup 3, the loader: TMA loads of q, k, v, A_keys, A_values, gamma and
-  the inverse norms into a two-stage ring, so chunk c + 2 is in flight.
+  measured 1-6% slower on an H200: notes/forward-budget.md).  In the narrow
+  form there is no ``Kbar``, and ``Kd`` goes to a two-stage ring of its own;
+* warpgroup 3, the loader: TMA loads of q, k, v, A_keys (not in the narrow
+  form), A_values, gamma and the inverse norms into a two-stage ring, so chunk
+  c + 2 is in flight.
 
 A TMA tile that crosses the sequence end carries the next sequence's tokens (or
 padding that may hold inf/NaN).  Prep zeroes those rows of k and v before any
