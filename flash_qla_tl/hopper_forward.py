@@ -34,8 +34,10 @@ OPERAND_DTYPES = {torch.float32: "float32", **KERNEL_DTYPES}
 BLOCK_WIDTHS = (32, 64, 128)  # value columns per state-pass program (chunk_forward's block_v)
 # Programs at least this wide form Kbar = A_keys K in their prep warpgroup; narrower ones
 # correct the values in their chain (chunk_forward's docstring): Kbar does not depend on
-# the value block, so narrow programs would form it once per block, and wait for it.
-KBAR_MIN_WIDTH = 128
+# the value block, so 32-column programs would form it four times per head, and wait for
+# it.  H200, one process (notes/forward-budget.md): the chain's form 5-10% faster at 32
+# columns, 1-2% slower at 64.
+KBAR_MIN_WIDTH = 64
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,9 +17,9 @@ norms of the queries and keys, ``G = exp2(gamma)`` and
 (``rq = rk = 1`` without l2norm.)  Raw q and k are the GEMM operands; the norms
 are fp32 scales (see inverse_norms).
 
-Narrow programs (``kbar_in_prep=False``, 32 or 64 columns) correct the values in
-the chain instead.  ``Ak = -(A o E) diag(G rk)`` (both sides are lower triangular
-and ``A o E = diag(G) A diag(G)^-1``), so
+Narrow programs (``kbar_in_prep=False``: 32 columns, ``hopper_forward.kbar_in_prep``)
+correct the values in the chain instead.  Since ``A o E = diag(G) A diag(G)^-1``,
+``Ak = -(A o E) diag(G rk)``, so
 
     W    = V - diag(G rk) K S
     U    = Av W
@@ -28,10 +28,12 @@ and no ``Ak K``.  That GEMM (64 x 64 x K) does not depend on the value block, so
 with ``V / block_v`` programs per head prep repeated it for every block, and at 32
 columns the chain waited ~1100 of ~3900 cycles per chunk for prep (clock64
 traces, notes/forward-budget.md).  The price is a second dependent GEMM in the
-chain's first round (``K S``, then ``Av W``), small at these widths.  Prep then
-writes the decayed keys to a ring of their own, since the chain's ``K S`` reads
-the raw ones, and ``A_keys`` is neither loaded nor (chunk_prep's
-``store_keys``) written.
+chain's first round (``K S``, then ``Av W``): at 64 columns it costs more than it
+saves (1-2% slower on an H200), at 32 it gains 5-10%.  Rounding ``W`` to ``dtype``
+costs a little precision (o within 4.4e-3 of float64 instead of 4.0e-3 on the
+benchmark's inputs).  Prep writes the decayed keys to a ring of their own, since
+the chain's ``K S`` reads the raw ones, and ``A_keys`` is neither loaded nor
+(chunk_prep's ``store_keys``) written.
 
 U and the per-chunk states never leave the chip, and neither does Kbar (the WY
 ``w``): it lives in shared memory for one chunk.  The state update reads the
