@@ -98,7 +98,7 @@ def device_segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: i
     """:func:`segment_table` on the device in one launch (``planning.device_pieces``)."""
     from .kernels.sequence_pieces import SEGMENT_STARTS
 
-    slots = -(-total_tokens // seg_len) + cu_seqlens.numel() - 1
+    slots = planning.piece_slots(total_tokens, cu_seqlens.numel() - 1, seg_len)
     starts, first_segment, num_segments = planning.device_pieces(cu_seqlens, seg_len, SEGMENT_STARTS, slots + 1)
     return starts.view(-1), first_segment, num_segments  # the extra last row is cu_seqlens[-1]
 

@@ -35,8 +35,8 @@ BLOCK_WIDTHS = (32, 64, 128)  # value columns per state-pass program (chunk_forw
 # Programs at least this wide form Kbar = A_keys K in their prep warpgroup; narrower ones
 # correct the values in their chain (chunk_forward's docstring): Kbar does not depend on
 # the value block, so 32-column programs would form it four times per head, and wait for
-# it.  H200, one process (notes/forward-budget.md): the chain's form 5-10% faster at 32
-# columns, 1-2% slower at 64.
+# it.  The chain's form measured 5-10% faster at 32 columns, 1-2% slower at 64 (H200,
+# 2026-11-23, bench_forward.py under CUDA graphs, both forms in one process: BENCHMARKS.md).
 KBAR_MIN_WIDTH = 64
 
 

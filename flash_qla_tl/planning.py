@@ -78,11 +78,16 @@ def dense_tables(batch: int, length: int, device: torch.device) -> tuple[torch.T
     return cu, chunk_table(cu, batch * length)
 
 
+def piece_slots(total_tokens: int, num_seqs: int, size: int) -> int:
+    """``ceil(T / size) + N``: a bound, from shapes alone, on the pieces of ``size`` tokens of N sequences
+    (each sequence adds at most one partial piece)."""
+    return -(-total_tokens // size) + num_seqs
+
+
 def split_sequences(cu_seqlens: torch.Tensor, total_tokens: int, size: int):
     """Cut every sequence into pieces of ``size`` tokens (the last one shorter), in sequence order.
 
-    The number of pieces is bounded from shapes alone, ``ceil(T / size) + N`` (each
-    sequence adds at most one partial piece).  Returns ``(start, end, seq, first,
+    The number of pieces is bounded from shapes alone (:func:`piece_slots`).  Returns ``(start, end, seq, first,
     count)``, all int64: the token range of every piece slot (slots past the real
     pieces are the empty range at ``cu_seqlens[-1]``) and its sequence (the last one
     for slots past the real pieces), and per sequence the index of its first piece
@@ -92,7 +97,7 @@ def split_sequences(cu_seqlens: torch.Tensor, total_tokens: int, size: int):
     cu = cu_seqlens.to(torch.int64)
     count = (cu[1:] - cu[:-1] + size - 1) // size
     first = torch.cumsum(count, 0) - count
-    piece = torch.arange(-(-total_tokens // size) + num_seqs, device=cu.device)
+    piece = torch.arange(piece_slots(total_tokens, num_seqs, size), device=cu.device)
     seq = torch.searchsorted(first + count, piece, right=True)
     real = seq < num_seqs
     seq = seq.clamp(max=num_seqs - 1)
@@ -134,7 +139,7 @@ def device_chunk_table(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Ten
     """:func:`chunk_table` on the device in one launch."""
     from .kernels.sequence_pieces import CHUNK_ROWS
 
-    return device_pieces(cu_seqlens, CHUNK, CHUNK_ROWS, -(-total_tokens // CHUNK) + cu_seqlens.numel() - 1)[0]
+    return device_pieces(cu_seqlens, CHUNK, CHUNK_ROWS, piece_slots(total_tokens, cu_seqlens.numel() - 1, CHUNK))[0]
 
 
 # The device builds that have a kernel of their own (the others run their PyTorch form on the device);

@@ -29,9 +29,10 @@ with ``V / block_v`` programs per head prep repeated it for every block, and at 
 columns the chain waited ~1100 of ~3900 cycles per chunk for prep (clock64
 traces, notes/forward-budget.md).  The price is a second dependent GEMM in the
 chain's first round (``K S``, then ``Av W``): at 64 columns it costs more than it
-saves (1-2% slower on an H200), at 32 it gains 5-10%.  Rounding ``W`` to ``dtype``
-costs a little precision (o within 4.4e-3 of float64 instead of 4.0e-3 on the
-benchmark's inputs).  Prep writes the decayed keys to a ring of their own, since
+saves (1-2% slower), at 32 it gains 5-10%.  Rounding ``W`` to ``dtype`` costs a
+little precision (o within 4.4e-3 of float64 instead of 4.0e-3 on the benchmark's
+inputs).  (H200, 2026-11-23, ``bench_forward.py`` under CUDA graphs: BENCHMARKS.md's
+first forward section.)  Prep writes the decayed keys to a ring of their own, since
 the chain's ``K S`` reads the raw ones, and ``A_keys`` is neither loaded nor
 (chunk_prep's ``store_keys``) written.
 
