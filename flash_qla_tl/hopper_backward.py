@@ -77,7 +77,7 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
     end = None if dht is None else dht.float().contiguous()
 
     def forward(values, start, last):
-        return hopper_forward.state_pass(ops, values, offsets, start, not last, None, plan.block_v,
+        return hopper_forward.state_pass(ops, values, offsets, start, not last, None, plan,
                                          chunk_states=states if last else None)
 
     def reverse(d_out, end, last):

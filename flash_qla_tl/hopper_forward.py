@@ -5,7 +5,7 @@
 1. ``chunk_prep`` (all chunks at once): the gate cumsum and the gate-free chunk
    inverse ``A = A0 diag(beta)``, written as the GEMM operands the state pass
    needs: ``A o E`` for the values, and ``-diag(G) A diag(rk)`` for the keys where
-   the pass forms ``Kbar`` in prep (:func:`kbar_in_prep`).
+   the pass loads it (:func:`value_correction`).
 2. ``chunk_forward`` (one program per sequence, value head and block of 32, 64
    or 128 value columns, :func:`plan_state_pass`): the state pass fused with the
    value correction and the output; context parallelism on top for a few long
@@ -32,7 +32,7 @@ KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # fp32 too: the dtypes in which a kernel reads a small operand as it is (gates, parameters).
 OPERAND_DTYPES = {torch.float32: "float32", **KERNEL_DTYPES}
 BLOCK_WIDTHS = (32, 64, 128)  # value columns per state-pass program (chunk_forward's block_v)
-# Programs at least this wide form Kbar = A_keys K in their prep warpgroup; narrower ones
+# Programs at least this wide form Kbar = Ak K in their prep warpgroup; narrower ones
 # correct the values in their chain (chunk_forward's docstring): Kbar does not depend on
 # the value block, so 32-column programs would form it four times per head, and wait for
 # it.  The chain's form measured 5-10% faster at 32 columns, 1-2% slower at 64 (H200,
@@ -116,9 +116,18 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
     return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
 
 
-def kbar_in_prep(block_v: int) -> bool:
-    """Which form of the value correction the state pass of ``block_v`` columns runs (chunk_forward)."""
-    return block_v >= KBAR_MIN_WIDTH
+def value_correction(plan: StatePassPlan) -> str:
+    """Where the state passes of ``plan`` take the value correction's ``Ak`` from (chunk_forward's CORRECTIONS).
+
+    Whole-head programs without context parallelism derive it from ``A_values`` in
+    prep: fewer loads where prep and the chain are balanced.  (Measured 1-4% faster
+    at 128 columns, 1-2% slower at 64, and 3% slower with context parallelism, whose
+    transition pass then loads ``A_values`` it otherwise skips: H200,
+    notes/forward-budget.md.)
+    """
+    if plan.block_v < KBAR_MIN_WIDTH:
+        return "in_chain"
+    return "kbar_derived" if plan.block_v == HEAD_DIM and plan.segment_tokens is None else "kbar_loaded"
 
 
 def one_wave_width(widths, heads: int, sms: int) -> int:
@@ -196,7 +205,7 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
                          plan_offsets, reference.query_scale(scale, kdim), dtype)
 
 
-def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, chunk_states=None):
+def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: StatePassPlan, chunk_states=None):
     """One fused pass (step 2) over the sequences ``offsets`` describes; returns their final states.
 
     ``values`` None: zero values, read from nowhere (context parallelism's transition pass).
@@ -213,11 +222,12 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, block_v, 
     states = offsets.numel() - 1
     no_state = placeholder_state(hv, kdim, vdim, device)
     ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else no_state
-    kbar = kbar_in_prep(block_v)
-    assert not kbar or ops.a_keys is not None, "prepare_chunks(store_keys=False) for a pass that reads A_keys"
+    correction = value_correction(plan)
+    loads_keys = correction == "kbar_loaded"
+    assert not loads_keys or ops.a_keys is not None, "prepare_chunks(store_keys=False) for a pass that reads A_keys"
     kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
-                             block_v, chunk_states is not None, out is not None, values is not None, kbar)
-    a_keys = ops.a_keys if kbar else placeholder((1, hv, 64), ops.v.dtype, device)
+                             plan.block_v, chunk_states is not None, out is not None, values is not None, correction)
+    a_keys = ops.a_keys if loads_keys else placeholder((1, hv, 64), ops.v.dtype, device)
     kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v if values is None else values, ops.gamma, a_keys, ops.a_values, offsets,
            no_state if h0 is None else h0, ops.scale,
            placeholder((1, hv, vdim), ops.v.dtype, device) if out is None else out, ht,
@@ -242,18 +252,18 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     total = batch * length
     plan = plan or plan_state_pass(total, num_seqs, hv, v.device)
     ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
-                         store_keys=kbar_in_prep(plan.block_v))
+                         store_keys=value_correction(plan) == "kbar_loaded")
     device = ops.v.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
     if plan.segment_tokens is None:
-        ht = state_pass(ops, ops.v, ops.cu_seqlens, h0, output_final_state, o, plan.block_v)
+        ht = state_pass(ops, ops.v, ops.cu_seqlens, h0, output_final_state, o, plan)
     else:
         seg_cu, first_segment, num_segments = planning.table(
             context_parallel.segment_table, ops.plan_offsets, total, plan.segment_tokens)
         initial = h0 if h0 is not None else torch.zeros(num_seqs, hv, kdim, vdim, device=device)
         run = lambda values, start, last: state_pass(ops, values, seg_cu, start, not last, o if last else None,
-                                                     plan.block_v)
+                                                     plan)
         ht = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
     zero_rows_past_last_sequence(o, ops.cu_seqlens)
     return o.view(batch, length, hv, vdim), (ht if output_final_state else None)

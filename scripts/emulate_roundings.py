@@ -33,7 +33,7 @@ def bf16(x, site, exact):
 
 
 def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64):
-    """One sequence, one value head; q and k already normalised; ``form`` as chunk_forward's kbar_in_prep."""
+    """One sequence, one value head; q and k already normalised; ``form``: Kbar in prep or the chain's W."""
     outs = []
     for s in range(0, k.shape[0], chunk):
         qc, kc, vc, gc, bc = (x[s : s + chunk] for x in (q, k, v, g, beta))

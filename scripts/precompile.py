@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flash_qla_tl.hopper_forward import kbar_in_prep  # noqa: E402
+from flash_qla_tl.hopper_forward import StatePassPlan, value_correction  # noqa: E402
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step  # noqa: E402
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients  # noqa: E402
@@ -67,21 +67,26 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
             (build_chunk_prep, (hqk, hv, 128, dtype, False, True)),
             (build_zero_tail_rows, (hv * 128, dtype)), (build_sequence_pieces, (CHUNK_ROWS,)),
             (build_sequence_pieces, (SEGMENT_STARTS,))]
-    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, kbar_in_prep(b)))
+    # the state pass's value correction, per width, for one pass over whole sequences or over segments
+    correction = lambda b, segments=False: value_correction(StatePassPlan(b, 2048 if segments else None))
+    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, correction(b)))
             for (h0, ht), b in itertools.product(flags, widths)]
-    if all_flags:  # context parallelism's scan and its first two passes (states only; the second with zero values)
+    if all_flags:  # context parallelism: its scan, its first two passes (states only; the second with zero
+        # values) and its last pass
         out.append((build_segment_scan, (hv, 128, 128)))
-        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, True, kbar_in_prep(b)))
-                for b in widths]
-        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, True, b, False, False, False, kbar_in_prep(b)))
-                for b in widths]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, True,
+                                       correction(b, True))) for b in widths]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, True, b, False, False, False,
+                                       correction(b, True))) for b in widths]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
+                                       correction(b, True))) for b in widths]
     if "backward" in kernels:
         out += [(build_chunk_prep, (hqk, hv, 128, dtype, True, True)),
                 (build_chunk_local_gradients, (hqk, hv, 128, 128, dtype))]
         out += [(build_qk_input_gradients, (hqk, hv, 128, dtype, l2norm)) for l2norm in (True, False)]
         for has_state, b in itertools.product([True, False], [b for b in widths if b in BACKWARD_WIDTHS]):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
-                                              kbar_in_prep(b))))
+                                              correction(b))))
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b)))
     return out
 

@@ -10,7 +10,7 @@ import pytest
 
 from flash_qla_tl import hopper_forward
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
-from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
+from flash_qla_tl.kernels.chunk_forward import CORRECTIONS, build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
 from flash_qla_tl.kernels.chunk_pipeline import CHAIN_REGS, LOADER_REGS, PREP_REGS, register_split
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
@@ -103,8 +103,9 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys):
     (2, 6, "float16", True, True, 128),  # Hv not a multiple of the gates' TMA box of 4 heads
 ])
 def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht, block_v):
+    correction = hopper_forward.value_correction(hopper_forward.StatePassPlan(block_v, None))
     source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht, block_v, False, True,
-                             True, hopper_forward.kbar_in_prep(block_v)).get_kernel_source()
+                             True, correction).get_kernel_source()
     assert "wgmma" in source and "q_desc" in source
     # whole chunks of o leave by TMA, a sequence's short last chunk row by row
     assert "tma_store(o_desc" in source and "tma_store_wait" in source and "(o + " in source
@@ -119,28 +120,29 @@ def test_register_split_fits_the_launch():
     assert sum(register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)) * 128 == 65536  # the state passes
 
 
-@pytest.mark.parametrize("block_v", [32, 64, 128])
-def test_transition_pass_reads_no_values(block_v):
-    """Context parallelism's transition pass (zero values) loads no v: U = Kbar S (A_keys, no A_values),
-    or in the narrow form U = -Av diag(G rk) K S (A_values, no A_keys)."""
-    kbar = hopper_forward.kbar_in_prep(block_v)
+@pytest.mark.parametrize("correction", CORRECTIONS)
+def test_transition_pass_reads_no_values(correction):
+    """Context parallelism's transition pass (zero values) loads no v: U = Kbar S with A_keys loaded (no
+    A_values) or derived from A_values, or in the chain U = -Av diag(G rk) K S (A_values, no A_keys)."""
+    block_v = 32 if correction == "in_chain" else 128
     source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", True, True, block_v, False, False,
-                             False, kbar).get_kernel_source()
+                             False, correction).get_kernel_source()
+    loads_keys = correction == "kbar_loaded"
     assert "tma_load(k_desc" in source and "tma_load(v_desc" not in source
-    assert ("tma_load(A_keys_desc" in source) == kbar and ("tma_load(A_values_desc" in source) != kbar
+    assert ("tma_load(A_keys_desc" in source) == loads_keys and ("tma_load(A_values_desc" in source) != loads_keys
 
 
 @pytest.mark.parametrize("block_v", [32, 64])
 def test_narrow_programs_correct_values_in_the_chain(block_v):
-    """Without kbar_in_prep: no A_keys load and no Kbar; the chain's W goes to shared memory by stmatrix."""
+    """In the chain: no A_keys load and no Kbar; the chain's W goes to shared memory by stmatrix."""
     source = compile_program(build_chunk_forward, 16, 32, 128, 128, "bfloat16", True, True, block_v, False, True,
-                             True, False).get_kernel_source()
+                             True, "in_chain").get_kernel_source()
     assert "tma_load(A_keys_desc" not in source and "kbar" not in source
     assert "tma_load(A_values_desc" in source and "tma_load(v_desc" in source
     assert "ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)w_op)" in source
     assert shared_memory_used(source) < SMEM_PER_BLOCK
     with pytest.raises(AssertionError):  # the decayed keys' ring does not fit beside 128-column operands
-        build_chunk_forward(16, 32, 128, 128, "bfloat16", True, True, 128, False, True, True, False)
+        build_chunk_forward(16, 32, 128, 128, "bfloat16", True, True, 128, False, True, True, "in_chain")
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,has_dht,block_v", [
@@ -151,7 +153,7 @@ def test_narrow_programs_correct_values_in_the_chain(block_v):
 def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     """The backward's recompute (the forward storing every chunk's entering state, no output) and reverse pass."""
     recompute = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_dht, False, block_v, True, False,
-                                True, hopper_forward.kbar_in_prep(block_v))
+                                True, hopper_forward.value_correction(hopper_forward.StatePassPlan(block_v, None)))
     source = recompute.get_kernel_source()
     assert "chunk_states" in source and "(o + " not in source and "q_desc" not in source  # no output, no q
     source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v).get_kernel_source()

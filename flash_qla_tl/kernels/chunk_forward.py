@@ -17,8 +17,15 @@ norms of the queries and keys, ``G = exp2(gamma)`` and
 (``rq = rk = 1`` without l2norm.)  Raw q and k are the GEMM operands; the norms
 are fp32 scales (see inverse_norms).
 
-Narrow programs (``kbar_in_prep=False``: 32 columns, ``hopper_forward.kbar_in_prep``)
-correct the values in the chain instead.  Since ``A o E = diag(G) A diag(G)^-1``,
+``correction`` picks where ``Ak`` comes from (``hopper_forward.value_correction``
+picks it per plan).  ``"kbar_loaded"``: chunk_prep's ``A_keys``.  ``"kbar_derived"``:
+``Ak`` is ``Av`` with its columns scaled (below), so prep makes it in shared memory
+(a 64 x 64 elementwise pass while ``Q K^T`` runs) and ``A_keys`` is neither written
+nor loaded: half of chunk_prep's matrix output and of this kernel's matrix loads,
+for a second bf16 rounding of ``Ak``.
+
+Narrow programs (``"in_chain"``: 32 columns) correct the values in the chain
+instead.  Since ``A o E = diag(G) A diag(G)^-1``,
 ``Ak = -(A o E) diag(G rk)``, so
 
     W    = V - diag(G rk) K S
@@ -66,8 +73,8 @@ it, one chunk ahead:
   alternate chunks, tried for 32-column programs whose chain waits for prep,
   measured 1-6% slower on an H200: notes/forward-budget.md).  In the narrow
   form there is no ``Kbar``, and ``Kd`` goes to a two-stage ring of its own;
-* warpgroup 3, the loader: TMA loads of q, k, v, A_keys (not in the narrow
-  form), A_values, gamma and the inverse norms into a two-stage ring, so chunk
+* warpgroup 3, the loader: TMA loads of q, k, v, A_keys (``"kbar_loaded"``
+  only), A_values, gamma and the inverse norms into a two-stage ring, so chunk
   c + 2 is in flight.
 
 A TMA tile that crosses the sequence end carries the next sequence's tokens (or
@@ -85,6 +92,9 @@ from .chunk_pipeline import (
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
+# Where the value correction's Ak comes from (build_chunk_forward's ``correction``).
+CORRECTIONS = ("kbar_loaded", "kbar_derived", "in_chain")
+
 
 
 def build_chunk_forward(
@@ -99,7 +109,7 @@ def build_chunk_forward(
     store_chunk_states: bool = False,
     store_output: bool = True,
     read_values: bool = True,
-    kbar_in_prep: bool = True,
+    correction: str = "kbar_loaded",
     chunk: int = 64,
 ):
     """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic.
@@ -108,9 +118,9 @@ def build_chunk_forward(
     first two passes, the backward's recompute): no ``Q S``, ``P``, ``P U`` or ``o``.
     Without ``read_values`` the values are zero (context parallelism's transition
     pass, whose states are the segments' transition matrices): ``U = Kbar S``, and
-    neither ``v`` nor ``A_values`` is loaded (without ``kbar_in_prep``: ``W = -diag(G rk) K S``,
-    no ``v``).  ``kbar_in_prep`` picks the form of the value correction (module docstring):
-    whole-head programs form ``Kbar`` in prep, narrower ones correct the values in the chain.
+    no ``v`` is loaded, nor ``A_values`` where ``Kbar`` comes from ``A_keys`` (in the
+    chain: ``W = -diag(G rk) K S``).  ``correction``: one of CORRECTIONS, where the value
+    correction's ``Ak`` comes from (module docstring).
     """
     import tilelang.language as T
 
@@ -121,6 +131,8 @@ def build_chunk_forward(
     assert block_v in (32, 64, 128), block_v
     assert STAGES == 2  # P's ring is picked by stage parity
     assert read_values or not store_output, "zero values are for the states-only passes"
+    assert correction in CORRECTIONS, correction
+    kbar_in_prep, derive_keys = correction != "in_chain", correction == "kbar_derived"
     assert kbar_in_prep or block_v < V, "the decayed keys' ring does not fit next to 128-column operands"
     group = num_v_heads // num_qk_heads
     accum = "float32"
@@ -134,7 +146,7 @@ def build_chunk_forward(
     num_states_in = T.dynamic("NS")
     num_states_out = T.dynamic("NS_out")
     num_chunk_slots = T.dynamic("NC")
-    num_key_rows = T.dynamic("T_keys")  # A_keys: a one-row placeholder without kbar_in_prep
+    num_key_rows = T.dynamic("T_keys")  # A_keys: a one-row placeholder unless "kbar_loaded"
 
     @T.prim_func
     def chunk_forward(
@@ -166,7 +178,7 @@ def build_chunk_forward(
             q_tile = T.alloc_shared([STAGES, C, K], dtype)
             k_tile = T.alloc_shared([STAGES, C, K], dtype)
             v_tile = T.alloc_shared([STAGES, C, block_v], dtype)
-            if kbar_in_prep:
+            if correction == "kbar_loaded":
                 a_keys_tile = T.alloc_shared([STAGES, C, C], dtype)
             a_values_tile = T.alloc_shared([STAGES, C, C], dtype)
             gamma_tile = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
@@ -176,6 +188,9 @@ def build_chunk_forward(
             # ring (same stage index as the inputs).  P's ring is two 2-D buffers, not one
             # 3-D buffer: an accumulator's copy into a slice of a 3-D buffer lowers to
             # 16 four-byte stores per thread, into a whole 2-D buffer to 4 stmatrix.
+            if derive_keys:  # prep's own: Ak, and its column factors -G_j rk_j (0 past n)
+                a_keys_op = T.alloc_shared([C, C], dtype)
+                key_factor = T.alloc_shared([C], accum)
             if kbar_in_prep:
                 kbar_op = T.alloc_shared([C, K], dtype)  # Ak K
                 kbar_read = T.alloc_barrier(arrive_count=CHAIN_THREADS)  # completion c: chunk c's Kbar S is done
@@ -325,9 +340,13 @@ def build_chunk_forward(
                     # Q K^T first: its gates and mask then run while Ak K is still on the tensor cores.
                     if store_output:
                         T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
-                    if kbar_in_prep:
+                    if correction == "kbar_loaded":
                         T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
                     for i in T.Parallel(C):
+                        if derive_keys:
+                            key_factor[i] = T.Select(
+                                i < n, -T.exp2(gamma_tile[st, i, hg]) * k_scale[st, i, hkn], T.float32(0)
+                            )
                         if not kbar_in_prep:
                             key_gate[st, i] = T.Select(
                                 i < n, T.exp2(gamma_tile[st, i, hg]) * k_scale[st, i, hkn], T.float32(0)
@@ -341,6 +360,10 @@ def build_chunk_forward(
                         )
                         if i == 0:
                             chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
+                    if derive_keys:  # Ak = -Av diag(G rk): Av's rows past n only reach masked rows
+                        for i, j in T.Parallel(C, C):
+                            a_keys_op[i, j] = a_values_tile[st, i, j] * key_factor[j]
+                        T.wgmma_gemm(a_keys_op, k_tile[st, :, :], kbar, clear_accum=True)
                     if store_output:
                         T.wait_wgmma(1 if kbar_in_prep else 0)
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
@@ -381,9 +404,9 @@ def build_chunk_forward(
                     T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     if read_values:
                         T.tma_copy(v[s : s + C, hv, v0 : v0 + block_v], v_tile[st, :, :], barrier=loaded[st])
-                    if read_values or not kbar_in_prep:
+                    if read_values or correction != "kbar_loaded":
                         T.tma_copy(A_values[s : s + C, hv, :], a_values_tile[st, :, :], barrier=loaded[st])
-                    if kbar_in_prep:
+                    if correction == "kbar_loaded":
                         T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
                     T.barrier_arrive(loaded[st])
