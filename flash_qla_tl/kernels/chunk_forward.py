@@ -123,6 +123,7 @@ def build_chunk_forward(
     correction's ``Ak`` comes from (module docstring).
     """
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
@@ -211,6 +212,9 @@ def build_chunk_forward(
             u_op = T.alloc_shared([C, block_v], dtype)  # U
             if not kbar_in_prep:
                 w_op = T.alloc_shared([C, block_v], dtype)  # W = V - diag(G rk) K S
+                # V is read elementwise here, not by a GEMM (which would pick a swizzled layout
+                # itself): unswizzled, its 64-byte rows put a warp's eight rows on the same banks.
+                T.annotate_layout({v_tile: make_swizzled_layout(v_tile)})
 
             state = T.alloc_fragment([K, block_v], accum)
             u = T.alloc_fragment([C, block_v], accum)
