@@ -54,6 +54,7 @@ def build_reverse_state_pass(
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
     assert C == 64 and num_v_heads % num_qk_heads == 0 and V % block_v == 0 and block_v <= 64
+    assert STAGES == 2  # the operand rings are picked by stage parity
     group = num_v_heads // num_qk_heads
     accum = "float32"
     register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
@@ -96,9 +97,11 @@ def build_reverse_state_pass(
             gamma_tile = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             q_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             k_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
-            # Operand ring (prep).
-            kbar_op = T.alloc_shared([STAGES, C, K], dtype)  # Ak K, 0 past n
-            p_op = T.alloc_shared([STAGES, C, C], dtype)  # P
+            # Operand ring (prep).  Kbar's and P's are two 2-D buffers each, picked by stage
+            # parity: prep's copy of an accumulator into a slice of a 3-D buffer lowers to a
+            # 4-byte store per two elements, into a whole 2-D buffer to stmatrix (chunk_forward's P).
+            kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(STAGES)]  # Ak K, 0 past n
+            p_op = [T.alloc_shared([C, C], dtype) for _ in range(STAGES)]  # P
             gated_do_op = T.alloc_shared([STAGES, C, block_v], dtype)  # diag(og) dO
             decay_to_end = T.alloc_shared([STAGES, C], accum)  # dte, 0 past n
             chunk_decay = T.alloc_shared([STAGES], accum)  # exp2(gamma_last)
@@ -133,7 +136,10 @@ def build_reverse_state_pass(
                     T.barrier_wait(prepared[st], (i // STAGES) % 2)
 
                     # Round 1: P^T dO and K dS' (dU's two terms), and dS's first two terms.
-                    T.wgmma_gemm(p_op[st, :, :], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
+                    if st == 0:  # a GEMM operand is one whole buffer: picked by stage
+                        T.wgmma_gemm(p_op[0], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
+                    else:
+                        T.wgmma_gemm(p_op[1], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
                     T.wgmma_gemm(k_tile[st, :, :], ds_op, k_ds, clear_accum=True)
                     for d, j in T.Parallel(K, block_v):
                         ds[d, j] = ds[d, j] * chunk_decay[st]
@@ -146,7 +152,10 @@ def build_reverse_state_pass(
                     T.wait_wgmma(0)
 
                     # Round 2: dS += Kbar^T dU, while dU goes out.
-                    T.wgmma_gemm(kbar_op[st, :, :], du_op, ds, transpose_A=True)
+                    if st == 0:
+                        T.wgmma_gemm(kbar_op[0], du_op, ds, transpose_A=True)
+                    else:
+                        T.wgmma_gemm(kbar_op[1], du_op, ds, transpose_A=True)
                     for r, j in T.Parallel(C, block_v):
                         if r < n:
                             du[s + r, hv, v0 + j] = T.cast(du_acc[r, j], dtype)
@@ -185,8 +194,12 @@ def build_reverse_state_pass(
                     gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)  # P, as the forward
                     for r, d in T.Parallel(C, K):
                         kbar[r, d] = T.Select(r < n, kbar[r, d], T.float32(0))
-                    T.copy(kbar, kbar_op[st, :, :])
-                    T.copy(qk, p_op[st, :, :])
+                    if st == 0:
+                        T.copy(kbar, kbar_op[0])
+                        T.copy(qk, p_op[0])
+                    else:
+                        T.copy(kbar, kbar_op[1])
+                        T.copy(qk, p_op[1])
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
             else:
