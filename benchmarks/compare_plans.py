@@ -1,12 +1,19 @@
 """The state pass's grid choices side by side: value-block width and context parallelism.
 
     python benchmarks/compare_plans.py --heads 2x8,4x16,16x32 --lengths 1x32768,16384+16384
+    python benchmarks/compare_plans.py --backward --heads 2x8,16x32 --lengths 1x32768 --fill 2 --min-split 2
 
 For each problem (issue 3's inputs, ``bench_forward.make_problem``) it times our
 forward under every plan (block_v 128, 64 or 32, with or without context
 parallelism; CUDA-graph replay, ``timing.graph_ms``), marks the one
 ``hopper_forward.plan_state_pass`` picks, and times fla (``FLA_FLASH_QLA=0``)
 beside them.  This is how the planner's rule was chosen.
+
+``--backward``: the same for the backward's two walks (``hopper_backward.plan_walks``:
+widths up to 64, half the SMs each), timing ``torch.autograd.grad`` of all inputs as
+``bench_backward.py`` does, with each plan's largest gradient difference from the
+chosen plan's (relative RMS).  ``--fill`` and ``--min-split`` widen the plans tried:
+segment splits from ``--min-split`` up to ``--fill`` programs per SM the pass has.
 """
 
 from __future__ import annotations
@@ -25,20 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_forward import make_problem, parse_heads, parse_lengths  # noqa: E402
 from timing import graph_ms, versions  # noqa: E402
 
-from flash_qla_tl import context_parallel, hopper_forward  # noqa: E402
+import flash_qla_tl as fq  # noqa: E402
+from flash_qla_tl import context_parallel, hopper_backward, hopper_forward  # noqa: E402
 
 
-def plans(total: int, num_seqs: int, hv: int, device) -> dict:
+def plans(total: int, num_seqs: int, hv: int, sms: int, widths, min_split: int, fill: int) -> dict:
     """Every plan worth timing for this shape, by name: each width alone, and with segments of every
-    power-of-two split from 4 up to the most whose programs still fit the SMs at once."""
+    power-of-two split from ``min_split`` up to the most whose programs fit ``fill`` to an SM of ``sms``."""
     out = {}
-    sms = context_parallel.num_sms(device)
     mean_length = -(-total // num_seqs)
-    for block_v in hopper_forward.BLOCK_WIDTHS:
+    for block_v in widths:
         programs = (hopper_forward.HEAD_DIM // block_v) * hv * num_seqs
         out[f"{block_v}"] = hopper_forward.StatePassPlan(block_v, None)
-        split = context_parallel.MIN_SEGMENTS
-        while split * programs <= sms and mean_length >= split * context_parallel.MIN_SEGMENT_TOKENS:
+        split = min_split
+        while split * programs <= fill * sms and mean_length >= split * context_parallel.MIN_SEGMENT_TOKENS:
             seg = context_parallel.split_length(total, num_seqs, split)
             out[f"{block_v}+cp{seg}"] = hopper_forward.StatePassPlan(block_v, seg)
             split *= 2
@@ -49,6 +56,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", default="2x8,4x16,16x16,16x32")
     p.add_argument("--lengths", default="1x32768,1x8192,16384+16384,24576+8192")
+    p.add_argument("--backward", action="store_true", help="the backward's walks instead of the forward")
+    p.add_argument("--fill", type=int, default=1, help="programs per SM the largest split may ask for")
+    p.add_argument("--min-split", type=int, default=context_parallel.MIN_SEGMENTS, help="the smallest split")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()} {versions()}")
     try:
@@ -56,20 +66,54 @@ def main():
     except ImportError:
         fla = None
     device = torch.device("cuda")
+    sms = context_parallel.num_sms(device)
     for hqk, hv in parse_heads(args.heads, []):
         for name in args.lengths.split(","):
             seqs = parse_lengths(name)
-            x = make_problem(hqk, hv, seqs)
-            kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
-            chosen = hopper_forward.plan_state_pass(sum(seqs), len(seqs), hv, device)
-            row = []
-            for label, plan in plans(sum(seqs), len(seqs), hv, device).items():
-                ms = graph_ms(lambda: hopper_forward.chunk_forward(**x, **kw, plan=plan))
-                row.append(f"{label}{'*' if plan == chosen else ''} {ms:.3f}")
-            if fla is not None:
-                ms = graph_ms(lambda: fla(**x, output_final_state=True, use_qk_l2norm_in_kernel=True))
-                row.append(f"fla {ms:.3f}")
+            total, x = sum(seqs), make_problem(hqk, hv, seqs)
+            if args.backward:
+                row = compare_walks(x, hv, seqs, plans(total, len(seqs), hv, sms // 2, [b for b in hopper_forward.BLOCK_WIDTHS if b <= hopper_backward.WALK_WIDEST],
+                                                       args.min_split, args.fill))
+            else:
+                row = compare_forward(x, hv, seqs, plans(total, len(seqs), hv, sms, hopper_forward.BLOCK_WIDTHS,
+                                                         args.min_split, args.fill))
+                if fla is not None:
+                    ms = graph_ms(lambda: fla(**x, output_final_state=True, use_qk_l2norm_in_kernel=True))
+                    row.append(f"fla {ms:.3f}")
             print(f"({hqk},{hv}) {name:>12}: " + " | ".join(row), flush=True)
+
+
+def compare_forward(x, hv, seqs, candidates) -> list[str]:
+    kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    chosen = hopper_forward.plan_state_pass(sum(seqs), len(seqs), hv, x["v"].device)
+    row = []
+    for label, plan in candidates.items():
+        ms = graph_ms(lambda: hopper_forward.chunk_forward(**x, **kw, plan=plan))
+        row.append(f"{label}{'*' if plan == chosen else ''} {ms:.3f}")
+    return row
+
+
+def compare_walks(x, hv, seqs, candidates) -> list[str]:
+    """The backward under each walk plan (``hopper_backward.plan_walks`` replaced for the call)."""
+    from bench_backward import backward_step
+
+    chosen = hopper_backward.plan_walks(sum(seqs), len(seqs), hv, x["v"].device)
+    gen = torch.Generator("cuda").manual_seed(1)
+    grads = [torch.randn(x["v"].shape, device="cuda", generator=gen).bfloat16(),
+             torch.randn(x["initial_state"].shape, device="cuda", generator=gen) * 0.01]
+    planner, row, reference = hopper_backward.plan_walks, [], None
+    try:
+        for label, plan in {"chosen": chosen, **candidates}.items():
+            hopper_backward.plan_walks = lambda *args: plan
+            step = backward_step(fq.chunk_gated_delta_rule, x, grads)
+            got = step()
+            reference = got if reference is None else reference
+            diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, reference))
+            if label != "chosen":
+                row.append(f"{label}{'*' if plan == chosen else ''} {graph_ms(step):.3f} (diff {diff:.0e})")
+    finally:
+        hopper_backward.plan_walks = planner
+    return row
 
 
 if __name__ == "__main__":

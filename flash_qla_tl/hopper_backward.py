@@ -32,11 +32,14 @@ from .chunked_backward import chunked_gated_delta_rule_backward
 from .reference import CHUNK
 
 
+WALK_WIDEST = 64  # value columns: the reverse pass's programs take at most this many
+
+
 def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):
     """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs,
     and both take the same width, which the reverse pass caps at 64 columns."""
     return hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device,
-                                          context_parallel.num_sms(device) // 2, widest=64)
+                                          context_parallel.num_sms(device) // 2, widest=WALK_WIDEST)
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flash_qla_tl.hopper_backward import WALK_WIDEST  # noqa: E402
 from flash_qla_tl.hopper_forward import StatePassPlan, value_correction  # noqa: E402
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step  # noqa: E402
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
@@ -41,7 +42,6 @@ from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, bui
 from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows  # noqa: E402
 
 QWEN_HEADS = "2x8,4x16,8x32,16x64,16x32,16x48,16x16,32x32"
-BACKWARD_WIDTHS = (64, 32)  # the reverse pass takes at most 64 columns
 
 
 def programs(hqk, hv, dtype, widths, all_flags, kernels):
@@ -84,7 +84,7 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
         out += [(build_chunk_prep, (hqk, hv, 128, dtype, True, True)),
                 (build_chunk_local_gradients, (hqk, hv, 128, 128, dtype))]
         out += [(build_qk_input_gradients, (hqk, hv, 128, dtype, l2norm)) for l2norm in (True, False)]
-        for has_state, b in itertools.product([True, False], [b for b in widths if b in BACKWARD_WIDTHS]):
+        for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b)))
