@@ -45,10 +45,20 @@ def random_split(total: int, parts: int, seed: int) -> list[int]:
 
 
 def backward_step(fn, x, grads, l2norm=True):
-    """One forward through ``fn``; returns a call that takes all input gradients from its graph."""
+    """One forward through ``fn``; returns a call that takes all input gradients from its graph.
+
+    The forward runs on a stream of its own: autograd runs each backward op on its
+    forward's stream, and where that is the legacy default stream, a capture of the
+    backward from another stream is invalid (``cudaErrorStreamCaptureImplicit``; it
+    failed the first capture of every process, H200, torch 2.11).
+    """
     leaves = [x[n].detach().clone().requires_grad_() for n in INPUTS]
-    o, ht = fn(*leaves[:5], initial_state=leaves[5], cu_seqlens=x["cu_seqlens"],
-               output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        o, ht = fn(*leaves[:5], initial_state=leaves[5], cu_seqlens=x["cu_seqlens"],
+                   output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    torch.cuda.current_stream().wait_stream(stream)
     return lambda: torch.autograd.grad([o, ht], leaves, grads, retain_graph=True)
 
 

@@ -117,7 +117,7 @@ def reversed_segments(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int)
     """``[U]`` int64: the segment slots with each sequence's segments in reverse order (an involution;
     unused slots map to themselves)."""
     start, end, seq, first, count = planning.split_sequences(cu_seqlens, total_tokens, seg_len)
-    slot = torch.arange(start.numel())
+    slot = torch.arange(start.numel(), device=start.device)
     inside = (slot >= first[seq]) & (slot < first[seq] + count[seq])
     return torch.where(inside, 2 * first[seq] + count[seq] - 1 - slot, slot)
 

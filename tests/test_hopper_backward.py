@@ -6,6 +6,10 @@ local-gradient kernel are also checked alone against their PyTorch forms, so
 that a failure names the kernel.  Run on the device with ``python -m pytest -m gpu tests``.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -198,6 +202,13 @@ def test_backward_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(c, e) for c, e in zip(captured, eager))
+
+
+def test_backward_captured_after_one_eager_call_in_a_fresh_process():
+    """``tests/first_capture.py``: the capture succeeds and its replay writes the eager gradients."""
+    script = Path(__file__).resolve().parent / "first_capture.py"
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
 
 def test_gradients_are_bitwise_deterministic():

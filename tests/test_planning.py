@@ -81,6 +81,17 @@ def test_reversed_segments_reverse_each_sequence_and_are_an_involution():
     assert order[int((first + count)[-1]):].tolist() == list(range(int((first + count)[-1]), order.numel()))
 
 
+@pytest.mark.parametrize("build, args", [
+    (planning.chunk_table, (9000,)), (context_parallel.segment_table, (9000, 2048)),
+    (context_parallel.segment_chunk_table, (9000, 2048)), (context_parallel.reversed_segments, (9000, 2048))])
+def test_tables_are_built_on_the_offsets_device(build, args):
+    """During CUDA-graph capture every table is built from device offsets (by its PyTorch form where it has
+    no kernel): no tensor of it may be made on the CPU.  Offsets on the meta device show any that is."""
+    cu_seqlens = torch.tensor([0, 8190, 8191, 8191, 9000], dtype=torch.int32, device="meta")
+    built = build(cu_seqlens, *args)
+    assert all(t.device.type == "meta" for t in (built if isinstance(built, tuple) else (built,)))
+
+
 def test_segment_chunk_table_has_the_sequence_chunks_with_segment_slots():
     cu = torch.tensor([0, 700, 700, 900, 3000])
     by_segment = context_parallel.segment_chunk_table(cu, 3000, 256)
