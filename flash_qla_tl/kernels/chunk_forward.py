@@ -88,7 +88,7 @@ row r depends on its left operand's row r only).
 
 from .chunk_pipeline import (
     CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
-    head_columns, load_gates, register_split, zero_rows_past,
+    head_columns, load_gates, register_split, reuse_chain_tile, store_chain_tile, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
@@ -148,6 +148,15 @@ def build_chunk_forward(
     num_states_out = T.dynamic("NS_out")
     num_chunk_slots = T.dynamic("NC")
     num_key_rows = T.dynamic("T_keys")  # A_keys: a one-row placeholder unless "kbar_loaded"
+
+    @T.macro
+    def copy_state_operand(state, state_op, chunk_states, slot, hv, v0):
+        """S to its GEMM operand; with ``store_chunk_states`` to the chunk's slot too, from the operand by TMA."""
+        if store_chunk_states:
+            reuse_chain_tile()
+        T.copy(state, state_op)
+        if store_chunk_states:
+            store_chain_tile(state_op, chunk_states[slot, hv, :, v0 : v0 + block_v])
 
     @T.prim_func
     def chunk_forward(
@@ -237,8 +246,7 @@ def build_chunk_forward(
                     st = c % STAGES
                     s = bos + c * C
                     n = T.min(seqlen - c * C, C)
-                    if store_chunk_states:
-                        T.copy(state, chunk_states[bos // C + seq + c, hv, :, v0 : v0 + block_v])
+                    slot = bos // C + seq + c
                     T.barrier_wait(prepared[st], (c // STAGES) % 2)
 
                     if kbar_in_prep:
@@ -247,7 +255,7 @@ def build_chunk_forward(
                         # while the state goes to shared memory.
                         if read_values:
                             T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
-                        T.copy(state, state_op)
+                        copy_state_operand(state, state_op, chunk_states, slot, hv, v0)
                         T.wgmma_gemm(kbar_op, state_op, u, clear_accum=not read_values)
                         if store_output:
                             T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
@@ -257,7 +265,7 @@ def build_chunk_forward(
                         T.barrier_arrive(kbar_read)
                     else:
                         # Round 1: K S (and Q S beside it), W = V - diag(G rk) K S, U = Av W.
-                        T.copy(state, state_op)
+                        copy_state_operand(state, state_op, chunk_states, slot, hv, v0)
                         T.wgmma_gemm(k_tile[st, :, :], state_op, u, clear_accum=True)
                         if store_output:
                             T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
@@ -320,7 +328,7 @@ def build_chunk_forward(
                                 if i < n:
                                     o[s + i, hv, v0 + j] = out[i, j]
 
-                if store_output:  # shared memory must outlive the last TMA store's reads
+                if store_output or store_chunk_states:  # shared memory must outlive the last TMA store's reads
                     T.tma_store_wait(0)
                 if store_final_state:
                     T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])

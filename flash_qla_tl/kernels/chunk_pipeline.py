@@ -5,7 +5,8 @@ Both ``chunk_forward`` (forward, and the backward's recompute) and
 (sequence, value head, value block) with the same four warp roles: two chain
 warpgroups, one prep warpgroup one chunk ahead, one TMA loader, talking through
 two-stage shared-memory rings.  The macros here are the prep warpgroup's steps
-that do not depend on the direction of the walk.
+that do not depend on the direction of the walk, and the chain's way of storing
+a per-chunk tile.
 """
 
 import tilelang.language as T
@@ -88,3 +89,24 @@ def gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, chunk):
         )
     for i, j in T.Parallel(chunk, chunk):
         qk[i, j] = T.Select(j <= i and i < n, qk[i, j], T.float32(0))
+
+
+@T.macro
+def store_chain_tile(tile, dest):
+    """``tile`` (shared, just written by every chain thread) to ``dest`` in one TMA store.
+
+    One thread issues it and nobody waits for it until the tile is written again
+    (:func:`reuse_chain_tile`).  The chain's own per-thread stores of an accumulator
+    (4 bytes, 8 rows per instruction) held it for a third of a chunk's cycles
+    (chunk_forward's ``o``, notes/forward-budget.md).
+    """
+    T.fence_proxy_async()  # the generic-proxy writes, before the TMA unit reads them
+    T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+    T.tma_copy(tile, dest)
+
+
+@T.macro
+def reuse_chain_tile():
+    """Before a tile of :func:`store_chain_tile` is written again: its store has read it."""
+    T.tma_store_wait(0)
+    T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)

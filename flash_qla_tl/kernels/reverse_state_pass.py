@@ -20,8 +20,9 @@ give, per chunk, in reverse::
 (``chunked_backward.py`` writes the same with ``w = -Kbar``.)  The pass stores
 what the local gradients need and cannot cheaply rebuild: ``dU`` per token
 and ``dS'`` per chunk (slot ``bos // C + seq + c`` as chunk_forward's
-``chunk_states``), both in ``dtype`` since the local gradients only use them as
-GEMM operands, and the gradient of the initial state (fp32).
+``chunk_states``; from its GEMM operand copy, by TMA), both in ``dtype`` since
+the local gradients only use them as GEMM operands, and the gradient of the
+initial state (fp32).
 
 Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
 tensor-core work per chunk, ``dS' -> dU -> dS``), 1 prepares the next chunk's
@@ -33,7 +34,7 @@ rows are selects to 0 (A_keys rows past a sequence's end may hold anything).
 
 from .chunk_pipeline import (
     CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
-    head_columns, load_gates, register_split, zero_rows_past,
+    head_columns, load_gates, register_split, reuse_chain_tile, store_chain_tile, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
@@ -131,8 +132,9 @@ def build_reverse_state_pass(
                     c = num_chunks - 1 - i
                     s = bos + c * C
                     n = T.min(seqlen - c * C, C)
-                    T.copy(ds, chunk_state_grads[bos // C + seq + c, hv, :, v0 : v0 + block_v])
+                    reuse_chain_tile()
                     T.copy(ds, ds_op)
+                    store_chain_tile(ds_op, chunk_state_grads[bos // C + seq + c, hv, :, v0 : v0 + block_v])
                     T.barrier_wait(prepared[st], (i // STAGES) % 2)
 
                     # Round 1: P^T dO and K dS' (dU's two terms), and dS's first two terms.
@@ -163,6 +165,7 @@ def build_reverse_state_pass(
                     T.barrier_arrive(consumed[st])
 
                 T.copy(ds, initial_state_grad[seq, hv, :, v0 : v0 + block_v])
+                T.tma_store_wait(0)  # shared memory must outlive the last store's reads
             elif tx < CHAIN_THREADS + PREP_THREADS:
                 T.set_max_nreg(PREP_REGS, 1)
                 for i in T.serial(num_chunks):
