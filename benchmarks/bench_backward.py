@@ -111,7 +111,8 @@ def main():
             for parts in SPLITS for mode in args.modes.split(",")]
     if args.quick:
         grid = [g for g in grid if g[0] == (16, 32) and g[2] in (1, 8)]
-    drive("backward", grid, functools.partial(run, check=not args.no_check), args.out, args.candidate)
+    drive("backward", grid, functools.partial(run, check=not args.no_check), args.out, args.candidate,
+          not args.no_peers)
 
 
 if __name__ == "__main__":

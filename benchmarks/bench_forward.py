@@ -81,10 +81,13 @@ def load_candidate(package_dir: Path, label: str = "candidate"):
     return module
 
 
-def peers(candidates: list[tuple[str, Path]] = ()) -> dict:
+def peers(candidates: list[tuple[str, Path]] = (), others: bool = True) -> dict:
+    """Ours, the ``candidates``, and (``others``) fla and flash-qla where they import."""
     libs = {OURS: flash_qla_tl.chunk_gated_delta_rule}
     for label, package_dir in candidates:
         libs[f"{OURS}@{label}"] = load_candidate(package_dir, label).chunk_gated_delta_rule
+    if not others:
+        return libs
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
         libs["fla"] = fla_fn
@@ -269,6 +272,8 @@ def cli(doc: str, tokens: list | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated input modes: normalized, l2norm")
     p.add_argument("--no-check", action="store_true",
                    help="skip checking each row's outputs (the forward: against float64; the backward: against ours)")
+    p.add_argument("--no-peers", action="store_true",
+                   help="time our revisions only (an A/B of --candidate's: the peers' columns would not change)")
     p.add_argument("--candidate", type=parse_candidate, action="append", default=[],
                    help="NAME=DIR: a flash_qla_tl package directory of another revision, timed as its own "
                         "column flash-qla-tl@NAME (repeatable; a bare DIR is named candidate)")
@@ -299,10 +304,10 @@ def single_problem(doc: str, heads: str, lengths: str, add_options=None):
     return args, (hqk, hv), make_problem(hqk, hv, parse_lengths(args.lengths))
 
 
-def drive(kind: str, grid: list, run, out: Path, candidates: list[tuple[str, Path]] = ()):
-    """Measure ``grid`` with ``run`` against the peers (and ``candidates``, see ``load_candidate``); write
-    ``<kind>.json/.md/.png`` under ``out``."""
-    libs = peers(candidates)
+def drive(kind: str, grid: list, run, out: Path, candidates: list[tuple[str, Path]] = (), others: bool = True):
+    """Measure ``grid`` with ``run`` against the peers (``others``) and ``candidates`` (see
+    ``load_candidate``); write ``<kind>.json/.md/.png`` under ``out``."""
+    libs = peers(candidates, others)
     ceilings = measure_ceilings()
     meta = {"timer": "cuda-graph", "calls_per_graph": CALLS_PER_GRAPH, "gpu": torch.cuda.get_device_name(),
             "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
@@ -328,7 +333,8 @@ def main():
     grid = [(h, name, mode) for h in parse_heads(args.heads, HEADS) for name in lengths for mode in modes]
     if args.quick:
         grid = [g for g in grid if g[0] in ((2, 8), (16, 32)) and g[1] in ("1x32768", "8192x4")]
-    drive("forward", grid, functools.partial(run, check=not args.no_check), args.out, args.candidate)
+    drive("forward", grid, functools.partial(run, check=not args.no_check), args.out, args.candidate,
+          not args.no_peers)
 
 
 if __name__ == "__main__":
