@@ -48,9 +48,10 @@ U and the per-chunk states never leave the chip, and neither does Kbar (the WY
 keys already decayed to the chunk end, ``Kd = diag(exp2(gamma_last - gamma) rk)
 K`` (prep rescales the chunk's key tile in place once its own GEMMs have read
 it), so the chain feeds the same bf16 ``U`` to both of its second-round GEMMs.
-Only the backward's recompute (``store_chunk_states``) writes the state entering every chunk (in
-``dtype``: the local gradients read it as a GEMM operand) to slot ``bos // C + seq + c`` of ``chunk_states`` (chunk ``c`` of sequence ``seq``
-starting at token ``bos``): unique per chunk, from the offsets the kernel already
+Only the backward's recompute (``store_chunk_states``) writes the state entering every
+chunk (in ``dtype``: the local gradients read it as a GEMM operand; from the chain's
+operand copy of it, by TMA) to slot ``bos // C + seq + c`` of ``chunk_states`` (chunk
+``c`` of sequence ``seq`` starting at token ``bos``): unique per chunk, from the offsets the kernel already
 reads, so no chunk table is needed; ``T // C + N + 1`` slots cover every chunk.
 
 Warp specialisation keeps the serial chain short.  From one state to the next
@@ -287,9 +288,7 @@ def build_chunk_forward(
                     for i, j in T.Parallel(C, block_v):
                         u[i, j] = T.Select(i < n, u[i, j], T.float32(0))
                     if store_output:
-                        # u_op last staged the previous chunk's o: its TMA store must have read it.
-                        T.tma_store_wait(0)
-                        T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+                        reuse_chain_tile()  # u_op last staged the previous chunk's o
                     T.copy(u, u_op)
                     for d, j in T.Parallel(K, block_v):
                         state[d, j] = state[d, j] * chunk_decay[st]
@@ -319,9 +318,7 @@ def build_chunk_forward(
                             # (4 bytes each, 8 rows per instruction) held a 128-column chain 2743 of
                             # 7075 cycles per chunk (clock64 traces, H200, notes/forward-budget.md).
                             T.copy(out, u_op)
-                            T.fence_proxy_async()
-                            T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
-                            T.tma_copy(u_op, o[s : s + C, hv, v0 : v0 + block_v])
+                            store_chain_tile(u_op, o[s : s + C, hv, v0 : v0 + block_v])
                         else:
                             # A sequence's last, short chunk: its rows past n are the next sequence's.
                             for i, j in T.Parallel(C, block_v):
