@@ -72,7 +72,7 @@ def main():
             seqs = parse_lengths(name)
             total, x = sum(seqs), make_problem(hqk, hv, seqs)
             if args.backward:
-                row = compare_walks(x, hv, seqs, plans(total, len(seqs), hv, sms // 2, [b for b in hopper_forward.BLOCK_WIDTHS if b <= hopper_backward.WALK_WIDEST],
+                row = compare_walks(x, hv, seqs, plans(total, len(seqs), hv, sms // 2, hopper_backward.WALK_WIDTHS,
                                                        args.min_split, args.fill))
             else:
                 row = compare_forward(x, hv, seqs, plans(total, len(seqs), hv, sms, hopper_forward.BLOCK_WIDTHS,

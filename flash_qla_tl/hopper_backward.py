@@ -33,6 +33,7 @@ from .reference import CHUNK
 
 
 WALK_WIDEST = 64  # value columns: the reverse pass's programs take at most this many
+WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST)  # the walks' choices
 
 
 def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):

@@ -151,13 +151,16 @@ def test_narrow_programs_correct_values_in_the_chain(block_v):
     (2, 6, "bfloat16", True, 64),  # Hv not a multiple of the gates' TMA box of 4 heads
 ])
 def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
-    """The backward's recompute (the forward storing every chunk's entering state, no output) and reverse pass."""
+    """The backward's recompute (the forward storing every chunk's entering state, no output) and reverse pass;
+    both store their per-chunk tile by TMA (chunk_pipeline.store_chain_tile), not per thread from the chain."""
     recompute = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_dht, False, block_v, True, False,
                                 True, hopper_forward.value_correction(hopper_forward.StatePassPlan(block_v, None)))
     source = recompute.get_kernel_source()
     assert "chunk_states" in source and "(o + " not in source and "q_desc" not in source  # no output, no q
+    assert "tma_store(chunk_states_desc" in source
     source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v).get_kernel_source()
     assert "wgmma" in source and "chunk_state_grads" in source
+    assert "tma_store(chunk_state_grads_desc" in source
 
 
 @pytest.mark.parametrize("hqk,hv,dtype", [(16, 32, "bfloat16"), (2, 6, "float16")])
