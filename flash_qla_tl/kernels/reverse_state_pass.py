@@ -20,8 +20,9 @@ give, per chunk, in reverse::
 (``chunked_backward.py`` writes the same with ``w = -Kbar``.)  The pass stores
 what the local gradients need and cannot cheaply rebuild: ``dU`` per token
 and ``dS'`` per chunk (slot ``bos // C + seq + c`` as chunk_forward's
-``chunk_states``; from its GEMM operand copy, by TMA), both in ``dtype`` since
-the local gradients only use them as GEMM operands, and the gradient of the
+``chunk_states``), both in ``dtype`` since
+the local gradients only use them as GEMM operands (from their GEMM operand
+copies, by TMA; a short last chunk's dU row by row), and the gradient of the
 initial state (fp32).
 
 Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
@@ -132,7 +133,7 @@ def build_reverse_state_pass(
                     c = num_chunks - 1 - i
                     s = bos + c * C
                     n = T.min(seqlen - c * C, C)
-                    reuse_chain_tile()
+                    reuse_chain_tile()  # dS' and dU of the previous chunk
                     T.copy(ds, ds_op)
                     store_chain_tile(ds_op, chunk_state_grads[bos // C + seq + c, hv, :, v0 : v0 + block_v])
                     T.barrier_wait(prepared[st], (i // STAGES) % 2)
@@ -150,17 +151,20 @@ def build_reverse_state_pass(
 
                     for r, j in T.Parallel(C, block_v):
                         du_acc[r, j] = T.Select(r < n, du_acc[r, j] + decay_to_end[st, r] * k_ds[r, j], T.float32(0))
-                    T.copy(du_acc, du_op)
+                    T.copy(du_acc, du_op)  # the previous dU's store has read it: reuse_chain_tile above
+                    if n == C:  # a whole chunk's dU leaves from its operand copy
+                        store_chain_tile(du_op, du[s : s + C, hv, v0 : v0 + block_v])
                     T.wait_wgmma(0)
 
-                    # Round 2: dS += Kbar^T dU, while dU goes out.
+                    # Round 2: dS += Kbar^T dU; a sequence's short last chunk stores its rows meanwhile.
                     if st == 0:
                         T.wgmma_gemm(kbar_op[0], du_op, ds, transpose_A=True)
                     else:
                         T.wgmma_gemm(kbar_op[1], du_op, ds, transpose_A=True)
-                    for r, j in T.Parallel(C, block_v):
-                        if r < n:
-                            du[s + r, hv, v0 + j] = T.cast(du_acc[r, j], dtype)
+                    if n < C:  # rows past n belong to the next sequence
+                        for r, j in T.Parallel(C, block_v):
+                            if r < n:
+                                du[s + r, hv, v0 + j] = T.cast(du_acc[r, j], dtype)
                     T.wait_wgmma(0)
                     T.barrier_arrive(consumed[st])
 
