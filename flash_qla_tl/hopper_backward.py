@@ -124,7 +124,7 @@ def kernel_local_gradients(ops: hopper_forward.ChunkOperands, do_packed, states,
     dq, dk = (torch.empty(total, hv, kdim, dtype=torch.float32, device=device) for _ in range(2))
     dv = torch.empty_like(ops.v)
     dg, dbeta = (torch.empty(total, hv, dtype=torch.float32, device=device) for _ in range(2))
-    local = compile_program(build_chunk_local_gradients, hqk, hv, kdim, vdim, dtype)
+    local = compile_program(build_chunk_local_gradients, hqk, hv, kdim, vdim, dtype, context_parallel.num_sms(device))
     local(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v, do_packed, du, ops.gamma, ops.beta, ops.a_keys,
           ops.a_values, ops.a_inverse, chunk_table, states, state_grads, ops.scale, dq, dk, dv, dg, dbeta)
     return dq, dk, dv, dg, dbeta

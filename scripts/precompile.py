@@ -41,6 +41,7 @@ from flash_qla_tl.kernels.segment_scan import build_segment_scan  # noqa: E402
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces  # noqa: E402
 from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows  # noqa: E402
 
+HOPPER_SMS = 132  # H100 SXM and H200: the persistent local-gradient programs are built per SM count
 QWEN_HEADS = "2x8,4x16,8x32,16x64,16x32,16x48,16x16,32x32"
 
 
@@ -82,7 +83,7 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
                                        correction(b, True))) for b in widths]
     if "backward" in kernels:
         out += [(build_chunk_prep, (hqk, hv, 128, dtype, True, True)),
-                (build_chunk_local_gradients, (hqk, hv, 128, 128, dtype))]
+                (build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, HOPPER_SMS))]
         out += [(build_qk_input_gradients, (hqk, hv, 128, dtype, l2norm)) for l2norm in (True, False)]
         for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,

@@ -39,73 +39,92 @@ import tilelang.language as T
 
 from .inverse_norms import padded_heads
 
-THREADS = 256  # two warpgroups: every 64-row GEMM tile is one wgmma row block
+from .chunk_pipeline import register_split
+
+ROLE_THREADS = 128  # one warpgroup per role: every GEMM is one wgmma row block of 64 rows
+THREADS = 3 * ROLE_THREADS  # values, state, loader
+VALUES_REGS, STATE_REGS, LOADER_REGS = register_split(232, 232, 24)
+ROLES_BARRIER = 8  # named barrier of the two math roles (TileLang's reductions take 1 and 2, its partial syncs 3+)
 
 
 def build_chunk_local_gradients(
-    num_qk_heads: int, num_v_heads: int, head_dim_k: int, head_dim_v: int, dtype: str, chunk: int = 64
+    num_qk_heads: int, num_v_heads: int, head_dim_k: int, head_dim_v: int, dtype: str, programs: int,
+    chunk: int = 64,
 ):
-    """Build the local-gradient PrimFunc for one static config (``U * Hv`` programs, ``U`` chunks, symbolic)."""
+    """Build the local-gradient PrimFunc for one static config: ``programs`` persistent programs (one per SM)
+    over the ``U * Hv`` (chunk, value head) items, ``U`` chunks symbolic.
+
+    One item's tiles take most of an SM's shared memory, so one program runs per SM;
+    alone, it would load, then compute, then load again.  Here a loader warpgroup
+    reloads each input tile for the program's next item as soon as both roles are
+    done with it (one slot per tile, a ``full`` and a ``free`` mbarrier each), so
+    the next item's loads run under this item's GEMMs.  Two warpgroups with a role
+    each do the math, so that their GEMM chains overlap and every row lives in one
+    warpgroup (row sums within a quad):
+
+    * the *values* role: ``U``, ``d_qk``, ``X``'s decay term, and all of ``dk``;
+    * the *state* role: ``d_w``, ``dq``, ``dv``, ``d_gated`` and the inverse's
+      gradient (``dM``, ``dbeta``'s terms).
+
+    They hand each other four operands through shared memory, each behind an
+    mbarrier: ``Kn``/``Qs`` (scaled in place by the values role), ``d_w``, ``d_qk``
+    and ``d_gram``; the per-row sums meet in shared memory for ``dg`` and ``dbeta``.
+    """
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
-    assert C == 64 and K == 2 * C and num_v_heads % num_qk_heads == 0  # K == 2C: <S, dS'> sums two halves
-    assert THREADS == 4 * C  # the serial sums: one quarter of the block per kind of sum
+    assert C == 64 and num_v_heads % num_qk_heads == 0
     group = num_v_heads // num_qk_heads
     accum = "float32"
+    state_cols = 32  # <S, dS'> in column blocks: a [K, 32] fp32 fragment per pass
+    both, one = 2 * ROLE_THREADS, ROLE_THREADS  # arrivals on the free barrier of a tile both / one role read
 
     num_tokens = T.dynamic("T")
     num_chunks = T.dynamic("U")
     num_slots = T.dynamic("NC")
 
     @T.macro
-    def row_sums(matrix, sums, out):
-        """``out[r] = sum_j matrix[r, j]`` into shared memory (``sums``: a fragment of the matrix's rows)."""
-        T.reduce_sum(matrix, sums, dim=1)
-        for r in T.Parallel(sums.shape[0]):
-            out[r] = sums[r]
-
-    @T.macro
     def row_dots(a, b, products, sums, out):
         """``out[r] = <a[r, :], b[r, :]>`` into shared memory (``products``: fragment scratch of a's shape)."""
         for r, d in T.Parallel(C, K):
             products[r, d] = a[r, d] * b[r, d]
-        row_sums(products, sums, out)
+        T.reduce_sum(products, sums, dim=1)
+        for r in T.Parallel(C):
+            out[r] = sums[r]
 
     @T.macro
-    def serial_sum(term):
-        """``sum_i term(i)`` over ``i < C`` in the calling thread (two interleaved partial sums).
+    def row_sums(square, sums, out):
+        T.reduce_sum(square, sums, dim=1)
+        for r in T.Parallel(C):
+            out[r] = sums[r]
 
-        For sums no fragment layout serves: a block-wide reduction of a fragment's row
-        costs two barriers for every row a thread holds.
-        """
+    @T.macro
+    def column_sums(square, sums, out):
+        """Across the role's four warps: TileLang's reduction syncs on named barriers 1 and 2 for any
+        128 threads, so the two roles take turns (``columns_summed``)."""
+        T.reduce_sum(square, sums, dim=0)
+        for j in T.Parallel(C):
+            out[j] = sums[j]
+
+    @T.macro
+    def serial_sum(term, count):
+        """``sum_i term(i)`` over ``i < count`` in the calling thread (two interleaved partial sums)."""
         even = T.alloc_var(accum, init=0)
         odd = T.alloc_var(accum, init=0)
-        for i in T.unroll(C // 2):
+        for i in T.unroll(count // 2):
             even = even + term(2 * i)
             odd = odd + term(2 * i + 1)
         return even + odd
 
     @T.macro
-    def zero_rows_past(n, key_tiles, value_tiles, square_tiles):
-        """Rows ``r >= n`` of [C, K], [C, V] and [C, C] tiles set to zero, then a block sync."""
-        for r, d in T.Parallel(C, K):
-            if r >= n:
-                for tile in key_tiles:
-                    tile[r, d] = 0
-        for r, j in T.Parallel(C, V):
-            if r >= n:
-                for tile in value_tiles:
-                    tile[r, j] = 0
-        for r, j in T.Parallel(C, C):
-            if r >= n:
-                for tile in square_tiles:
-                    tile[r, j] = 0
-        T.sync_threads()
-
-    @T.macro
     def decay(gamma_tile, r, j, n):
         """``E[r, j]``: ``exp(gamma_r - gamma_j)`` on ``j <= r < n``, else 0 (a select, never inf * 0)."""
         return T.Select(j <= r and r < n, T.exp2(T.min(gamma_tile[r] - gamma_tile[j], T.float32(0))), T.float32(0))
+
+    @T.macro
+    def hand_over(barrier):
+        """Publish this role's shared-memory writes to the other one's GEMMs (async proxy)."""
+        T.fence_proxy_async()
+        T.barrier_arrive(barrier)
 
     @T.prim_func
     def chunk_local_gradients(
@@ -131,17 +150,13 @@ def build_chunk_local_gradients(
         dg: T.Tensor([num_tokens, num_v_heads], accum),
         dbeta: T.Tensor([num_tokens, num_v_heads], accum),
     ):
-        # Value heads fastest: the programs of one q/k head group run together and share its
-        # q, k tiles in L2.  One grid dimension, so the chunk count is not bound by gridDim.y.
-        with T.Kernel(num_chunks * num_v_heads, threads=THREADS) as program:
-            hv = program % num_v_heads
-            chunk_id = program // num_v_heads
-            hk = hv // group
-            s = chunk_table[chunk_id, 0]
-            n = chunk_table[chunk_id, 1] - s
-            slot = chunk_table[chunk_id, 2]
+        with T.Kernel(programs, threads=THREADS) as program:
+            # Items (chunk, value head), value heads fastest: neighbouring programs work on one
+            # q/k head group's items at once and share its q, k tiles in L2.
+            num_items = num_chunks * num_v_heads
+            my_items = T.ceildiv(T.max(num_items - program, 0), programs)
 
-            # Per-row values (fp32): gates and their sums.
+            # Per-row values (fp32): gates, and the sums the two roles leave for dg and dbeta.
             gamma_tile = T.alloc_shared([C], accum)
             beta_tile = T.alloc_shared([C], accum)
             q_scale = T.alloc_shared([C], accum)
@@ -152,14 +167,17 @@ def build_chunk_local_gradients(
             tail_sum = T.alloc_shared([C], accum)  # rowsum(Kn o d_tail)
             k_gate_sum = T.alloc_shared([C], accum)  # rowsum(Kn o d_k_gated)
             beta_rows = T.alloc_shared([C], accum)  # rowsum(dM o gram)
-            # colsum(X), rowsum(X), colsum(d_gated o A0 o E), <S, dS'> (in every column)
-            sums = T.alloc_shared([4, C], accum)
+            # X = X_decay + X_gated: row and column sums of each term, by the role that has it.
+            decay_rows = T.alloc_shared([C], accum)
+            decay_cols = T.alloc_shared([C], accum)
+            gated_rows = T.alloc_shared([C], accum)
+            gated_cols = T.alloc_shared([C], accum)  # colsum(d_gated o A0 o E); X_gated's is beta times it
             state_dot = T.alloc_shared([K], accum)  # rowsum(S o dS'), summed to <S, dS'> at the end
 
-            # GEMM operands.
-            q_tile = T.alloc_shared([C, K], dtype)  # Qs
+            # The input tiles, one slot each, and what the program makes from them.  The roles
+            # run side by side, so no two tiles share memory.
+            q_tile = T.alloc_shared([C, K], dtype)  # Qs once scaled
             k_tile = T.alloc_shared([C, K], dtype)  # raw K (for Kbar), then Kn
-            k_gated = T.alloc_shared([C, K], dtype)  # diag(G) Kn
             v_tile = T.alloc_shared([C, V], dtype)
             do_tile = T.alloc_shared([C, V], dtype)
             du_tile = T.alloc_shared([C, V], dtype)
@@ -168,191 +186,298 @@ def build_chunk_local_gradients(
             a_keys = T.alloc_shared([C, C], dtype)
             gated = T.alloc_shared([C, C], dtype)  # A_values
             a0 = T.alloc_shared([C, C], dtype)
-            kbar_op = T.alloc_shared([C, K], dtype)
-            u_op = T.alloc_shared([C, V], dtype)
+            kbar_u_op = T.alloc_shared([C, K], dtype)  # Kbar, then U (values role)
             d_w_op = T.alloc_shared([C, K], dtype)
             d_qk_op = T.alloc_shared([C, C], dtype)
-            d_a0_op = T.alloc_shared([C, C], dtype)
-            a0t_d_a0 = T.alloc_shared([C, C], dtype)
-            d_gram_op = T.alloc_shared([C, C], dtype)
-            square_x = T.alloc_shared([C, C], accum)  # X, for its row and column sums
-            square_g = T.alloc_shared([C, C], accum)  # d_gated o A0 o E, for its column sums
+            inverse_op = T.alloc_shared([C, C], dtype)  # d_a0, A0^T d_a0, d_gram in turn (state role)
 
-            loaded = T.alloc_barrier(arrive_count=THREADS)
+            # Each tile's slot: full (its TMA bytes landed), free (its readers are done with it).
+            full = T.alloc_barrier(arrive_count=[ROLE_THREADS] * 10)
+            free = T.alloc_barrier(arrive_count=[one, both, both, both, both, one, both, both, both, one])
+            A_KEYS, K_TILE, GATED, V_TILE, STATE, DU, DO, Q_TILE, STATE_GRAD, A0 = range(10)
+            keys_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)  # Kn, Qs
+            d_w_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
+            d_qk_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
+            d_gram_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
+            columns_summed = T.alloc_barrier(arrive_count=ROLE_THREADS)
 
-            # Accumulators.
-            wide = T.alloc_fragment([C, K], accum)  # Kbar, then d_w, then d_k_gated
-            u_acc = T.alloc_fragment([C, V], accum)  # U, then dv
-            dq_acc = T.alloc_fragment([C, K], accum)
-            dk_acc = T.alloc_fragment([C, K], accum)
-            products = T.alloc_fragment([C, K], accum)
-            prod = T.alloc_fragment([C], accum)  # row sums of [C, K] products
-            square_rows = T.alloc_fragment([C], accum)  # row sums of C x C accumulators
+            # Values role.
+            wide = T.alloc_fragment([C, K], accum)  # Kbar, then d_k_gated
+            u_acc = T.alloc_fragment([C, V], accum)
             d_attn = T.alloc_fragment([C, C], accum)
-            d_decay = T.alloc_fragment([C, C], accum)  # d_decay, then X
-            d_gated = T.alloc_fragment([C, C], accum)  # d_gated, then d_gated o A0 o E
+            x_decay = T.alloc_fragment([C, C], accum)  # Qs Kn^T, then X_decay
+            dk_acc = T.alloc_fragment([C, K], accum)
+            values_products = T.alloc_fragment([C, K], accum)
+            values_rows = T.alloc_fragment([C], accum)
+            values_cols = T.alloc_fragment([C], accum)
+            # State role.
+            d_w_acc = T.alloc_fragment([C, K], accum)
+            dv_acc = T.alloc_fragment([C, V], accum)
+            d_gated = T.alloc_fragment([C, C], accum)  # d_gated, then d_gated o A0 o E, then X_gated
             small = T.alloc_fragment([C, C], accum)  # A0^T d_a0, then dM
-            state_products = T.alloc_fragment([K, V], accum)
+            gram = T.alloc_fragment([C, C], accum)
+            dq_acc = T.alloc_fragment([C, K], accum)
+            state_products = T.alloc_fragment([K, state_cols], accum)
             state_rows = T.alloc_fragment([K], accum)
+            state_part = T.alloc_fragment([K], accum)
+            state_role_products = T.alloc_fragment([C, K], accum)
+            state_role_rows = T.alloc_fragment([C], accum)
+            state_role_cols = T.alloc_fragment([C], accum)
 
-            if n > 0:  # n == 0: a padding entry of the chunk table
-                # Every tile by TMA (rows past the tensor arrive as zeros); the per-row values
-                # load meanwhile.
-                T.tma_copy(A_keys[s : s + C, hv, :], a_keys, barrier=loaded)
-                T.tma_copy(k[s : s + C, hk, :], k_tile, barrier=loaded)
-                T.tma_copy(A_values[s : s + C, hv, :], gated, barrier=loaded)
-                T.tma_copy(v[s : s + C, hv, :], v_tile, barrier=loaded)
-                T.tma_copy(chunk_states[slot, hv, :, :], state, barrier=loaded)
-                T.tma_copy(do[s : s + C, hv, :], do_tile, barrier=loaded)
-                T.tma_copy(q[s : s + C, hk, :], q_tile, barrier=loaded)
-                T.tma_copy(chunk_state_grads[slot, hv, :, :], state_grad, barrier=loaded)
-                T.tma_copy(du[s : s + C, hv, :], du_tile, barrier=loaded)
-                T.tma_copy(A_inverse[s : s + C, hv, :], a0, barrier=loaded)
-                T.barrier_arrive(loaded)
-                for r in T.Parallel(C):
-                    valid = r < n
-                    gamma_tile[r] = T.if_then_else(valid, gamma[s + r, hv], T.float32(0))
-                    beta_tile[r] = T.if_then_else(valid, beta[s + r, hv], T.float32(0))
-                    q_scale[r] = T.if_then_else(valid, q_norm[s + r, hk] * scale, T.float32(0))
-                    k_scale[r] = T.if_then_else(valid, k_norm[s + r, hk], T.float32(0))
-                for r in T.Parallel(C):
-                    gate[r] = T.Select(r < n, T.exp2(gamma_tile[r]), T.float32(0))
-                    to_end[r] = T.Select(r < n, T.exp2(gamma_tile[n - 1] - gamma_tile[r]), T.float32(0))
-
-                # A sequence's last chunk: rows past n are the next sequence's tokens.  Zeroed
-                # (columns past n are zero by chunk_prep's contract), so padding adds nothing.
-                # A wait covers the TMA bytes, not the other threads' stores: TileLang's sync
-                # insertion counts it as a barrier, so the block-wide syncs are written out.
-                T.barrier_wait(loaded, 0)
-                T.sync_threads()
-                if n < C:
-                    zero_rows_past(n, (k_tile, q_tile), (v_tile, do_tile, du_tile), (a_keys, gated, a0))
-
-                # U = gated V + Kbar S, with Kbar = A_keys K (raw keys: A_keys carries rk).
-                T.gemm(a_keys, k_tile, wide, clear_accum=True)
-                T.copy(wide, kbar_op)
-                T.gemm(gated, v_tile, u_acc, clear_accum=True)
-                T.gemm(kbar_op, state, u_acc)
-                T.copy(u_acc, u_op)
-
-                for r, d in T.Parallel(C, K):
-                    q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)  # Q -> Qs
-                for d, j in T.Parallel(K, V):
-                    state_products[d, j] = T.cast(state[d, j], accum) * T.cast(state_grad[d, j], accum)
-                row_sums(state_products, state_rows, state_dot)
-                for r, d in T.Parallel(C, K):
-                    k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)  # K -> Kn
-                for r, d in T.Parallel(C, K):
-                    k_gated[r, d] = T.cast(k_tile[r, d] * gate[r], dtype)
-
-                # The attention products: d_qk = (dO U^T) o E, d_decay = (dO U^T) o (Qs Kn^T).
-                T.gemm(do_tile, u_op, d_attn, transpose_B=True, clear_accum=True)
-                T.gemm(q_tile, k_tile, d_decay, transpose_B=True, clear_accum=True)
-                for r, j in T.Parallel(C, C):
-                    d_qk_op[r, j] = T.cast(d_attn[r, j] * decay(gamma_tile, r, j, n), dtype)
-                    d_decay[r, j] = d_attn[r, j] * d_decay[r, j]
-
-                # dq = diag(G) dO S^T + d_qk Kn.
-                T.gemm(do_tile, state, dq_acc, transpose_B=True, clear_accum=True)
-                row_dots(dq_acc, q_tile, products, prod, q_gate_sum)
-                for r, d in T.Parallel(C, K):
-                    dq_acc[r, d] = dq_acc[r, d] * gate[r]
-                T.gemm(d_qk_op, k_tile, dq_acc)
-                for r, d in T.Parallel(C, K):
-                    if r < n:
-                        dq[s + r, hv, d] = dq_acc[r, d]
-
-                # dk, first terms: diag(te) U dS'^T + d_qk^T Qs.
-                T.gemm(u_op, state_grad, dk_acc, transpose_B=True, clear_accum=True)
-                row_dots(dk_acc, k_tile, products, prod, tail_sum)
-                for r, d in T.Parallel(C, K):
-                    dk_acc[r, d] = dk_acc[r, d] * to_end[r]
-                T.gemm(d_qk_op, q_tile, dk_acc, transpose_A=True)
-
-                # d_w = -dU S^T; d_gated = dU V^T + d_w (diag(G) Kn)^T; dv = gated^T dU.
-                T.gemm(du_tile, state, wide, transpose_B=True, clear_accum=True)
-                for r, d in T.Parallel(C, K):
-                    d_w_op[r, d] = T.cast(-wide[r, d], dtype)
-                T.gemm(du_tile, v_tile, d_gated, transpose_B=True, clear_accum=True)
-                T.gemm(d_w_op, k_gated, d_gated, transpose_B=True)
-                T.gemm(gated, du_tile, u_acc, transpose_A=True, clear_accum=True)
-                for r, j in T.Parallel(C, V):
-                    if r < n:
-                        dv[s + r, hv, j] = T.cast(u_acc[r, j], dtype)
-
-                # d_k_gated = gated^T d_w: dk += diag(G) d_k_gated.
-                T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)
-                row_dots(wide, k_tile, products, prod, k_gate_sum)
-                for r, d in T.Parallel(C, K):
-                    dk_acc[r, d] = dk_acc[r, d] + gate[r] * wide[r, d]
-
-                # Through the inverse: d_a0 = d_gated o E diag(beta); X (the exponents'
-                # gradient) = (d_decay + d_gated o A0 diag(beta)) o E.
-                for r, j in T.Parallel(C, C):
-                    e = decay(gamma_tile, r, j, n)
-                    d_a0_op[r, j] = T.cast(d_gated[r, j] * e * beta_tile[j], dtype)
-                    d_decay[r, j] = (d_decay[r, j] + d_gated[r, j] * a0[r, j] * beta_tile[j]) * e
-                    d_gated[r, j] = d_gated[r, j] * a0[r, j] * e
-                T.gemm(a0, d_a0_op, small, transpose_A=True, clear_accum=True)
-                T.copy(small, a0t_d_a0)
-                T.gemm(a0t_d_a0, a0, small, transpose_B=True, clear_accum=True)
-                for r, j in T.Parallel(C, C):
-                    small[r, j] = T.Select(j < r and r < n, -small[r, j], T.float32(0))  # dM
-                for r, j in T.Parallel(C, C):
-                    d_gram_op[r, j] = T.cast(beta_tile[r] * small[r, j], dtype)
-                # dbeta's second term: rowsum(dM o Kn Kn^T); the Gram matrix goes in d_attn's registers.
-                T.gemm(k_tile, k_tile, d_attn, transpose_B=True, clear_accum=True)
-                for r, j in T.Parallel(C, C):
-                    d_attn[r, j] = d_attn[r, j] * small[r, j]
-                row_sums(d_attn, square_rows, beta_rows)
-                T.gemm(d_gram_op, k_tile, dk_acc)
-                T.gemm(d_gram_op, k_tile, dk_acc, transpose_A=True)
-                for r, d in T.Parallel(C, K):
-                    if r < n:
-                        dk[s + r, hv, d] = dk_acc[r, d]
-
-                # The C x C sums, one thread each, from shared memory: X's column and row sums
-                # (rows read from a rotated start, free of bank conflicts), d_gated o A0 o E's
-                # column sums, and <S, dS'> (the same in every thread of the last quarter).
-                T.copy(d_decay, square_x)
-                T.copy(d_gated, square_g)
-                tx = T.get_thread_binding()
-                i = tx % C
-                total = T.alloc_var(accum)
-                if tx < C:
-                    total = serial_sum(lambda r: square_x[r, i])
-                elif tx < 2 * C:
-                    total = serial_sum(lambda j: square_x[i, (i + j) % C])
-                elif tx < 3 * C:
-                    total = serial_sum(lambda r: square_g[r, i])
+            # Items handled so far (padding items of the chunk table skipped): every barrier
+            # completes once per item, so this is the parity of the item's phase.
+            handled = T.alloc_var("int32", init=0)
+            tx = T.get_thread_binding()
+            if tx < 2 * ROLE_THREADS:
+                if tx < ROLE_THREADS:
+                    T.set_max_nreg(VALUES_REGS, 1)
                 else:
-                    total = serial_sum(lambda d: state_dot[d] + state_dot[d + C])
-                # Every quarter has read the squares before any writes a sum: the merge places
-                # `sums` on them, and a quarter's own barrier would not cover the others' reads.
-                T.sync_threads()
-                sums[tx // C, i] = total
-                # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last), and gamma_last enters through
-                # every te (cancelling d_gamma's te terms for r' >= r) and through the chunk's decay
-                # exp(gamma_last) S.
-                if tx < n:
-                    dg[s + tx, hv] = serial_sum(lambda j: T.Select(
-                        j < n,
-                        T.Select(j >= tx, gate[j] * (q_gate_sum[j] + k_gate_sum[j]) + sums[1, j] - sums[0, j],
-                                 to_end[j] * tail_sum[j]),
-                        T.float32(0),
-                    )) + T.exp2(gamma_tile[n - 1]) * sums[3, tx]
-                    dbeta[s + tx, hv] = sums[2, tx] + beta_rows[tx]
+                    T.set_max_nreg(STATE_REGS, 1)
+                for i in T.serial(my_items):
+                    item = program + i * programs
+                    hv = item % num_v_heads
+                    chunk_id = item // num_v_heads
+                    hk = hv // group
+                    s = chunk_table[chunk_id, 0]
+                    n = chunk_table[chunk_id, 1] - s
+                    slot = chunk_table[chunk_id, 2]
+                    phase = handled % 2
+                    if n > 0:  # n == 0: a padding entry of the chunk table
+                        if tx < C:
+                            valid = tx < n
+                            gamma_tile[tx] = T.if_then_else(valid, gamma[s + tx, hv], T.float32(0))
+                            beta_tile[tx] = T.if_then_else(valid, beta[s + tx, hv], T.float32(0))
+                            q_scale[tx] = T.if_then_else(valid, q_norm[s + tx, hk] * scale, T.float32(0))
+                            k_scale[tx] = T.if_then_else(valid, k_norm[s + tx, hk], T.float32(0))
+                            gate[tx] = T.Select(valid, T.exp2(gamma[s + tx, hv]), T.float32(0))
+                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
+                        if tx < C:
+                            to_end[tx] = T.Select(tx < n, T.exp2(gamma_tile[n - 1] - gamma_tile[tx]), T.float32(0))
+
+                        # A sequence's last chunk: rows past n are the next sequence's tokens.  Zeroed
+                        # (columns past n are zero by chunk_prep's contract), so padding adds nothing;
+                        # both roles wait for every tile first.
+                        if n < C:
+                            for t in T.unroll(10):
+                                T.barrier_wait(full[t], phase)
+                            for r, d in T.Parallel(C, K):
+                                if r >= n:
+                                    k_tile[r, d] = 0
+                                    q_tile[r, d] = 0
+                            for r, j in T.Parallel(C, V):
+                                if r >= n:
+                                    v_tile[r, j] = 0
+                                    do_tile[r, j] = 0
+                                    du_tile[r, j] = 0
+                            for r, j in T.Parallel(C, C):
+                                if r >= n:
+                                    a_keys[r, j] = 0
+                                    gated[r, j] = 0
+                                    a0[r, j] = 0
+                            T.fence_proxy_async()
+                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
+
+                        if tx < ROLE_THREADS:
+                            # --- Values role.  U = gated V + Kbar S, Kbar = A_keys K (raw keys: A_keys carries rk).
+                            T.barrier_wait(full[A_KEYS], phase)
+                            T.barrier_wait(full[K_TILE], phase)
+                            T.gemm(a_keys, k_tile, wide, clear_accum=True)
+                            T.barrier_arrive(free[A_KEYS])
+                            T.copy(wide, kbar_u_op)
+                            T.barrier_wait(full[GATED], phase)
+                            T.barrier_wait(full[V_TILE], phase)
+                            T.gemm(gated, v_tile, u_acc, clear_accum=True)
+                            T.barrier_arrive(free[V_TILE])
+                            T.barrier_wait(full[STATE], phase)
+                            T.gemm(kbar_u_op, state, u_acc)
+                            T.barrier_arrive(free[STATE])
+
+                            # Q -> Qs and K -> Kn in place, for both roles.
+                            T.barrier_wait(full[Q_TILE], phase)
+                            for r, d in T.Parallel(C, K):
+                                q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)
+                            for r, d in T.Parallel(C, K):
+                                k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)
+                            hand_over(keys_ready)
+                            T.copy(u_acc, kbar_u_op)  # Kbar's GEMM is done: the tile holds U from here
+
+                            # The attention products: d_qk = (dO U^T) o E, X_decay = (dO U^T) o (Qs Kn^T) o E.
+                            T.barrier_wait(full[DO], phase)
+                            T.gemm(do_tile, kbar_u_op, d_attn, transpose_B=True, clear_accum=True)
+                            T.barrier_arrive(free[DO])
+                            T.gemm(q_tile, k_tile, x_decay, transpose_B=True, clear_accum=True)
+                            for r, j in T.Parallel(C, C):
+                                e = decay(gamma_tile, r, j, n)
+                                d_qk_op[r, j] = T.cast(d_attn[r, j] * e, dtype)
+                                x_decay[r, j] = d_attn[r, j] * x_decay[r, j] * e
+                            hand_over(d_qk_ready)
+                            row_sums(x_decay, values_rows, decay_rows)
+
+                            # dk = diag(te) U dS'^T + d_qk^T Qs + diag(G) gated^T d_w + (d_gram + d_gram^T) Kn.
+                            T.barrier_wait(full[STATE_GRAD], phase)
+                            T.gemm(kbar_u_op, state_grad, dk_acc, transpose_B=True, clear_accum=True)
+                            T.barrier_arrive(free[STATE_GRAD])
+                            row_dots(dk_acc, k_tile, values_products, values_rows, tail_sum)
+                            for r, d in T.Parallel(C, K):
+                                dk_acc[r, d] = dk_acc[r, d] * to_end[r]
+                            T.gemm(d_qk_op, q_tile, dk_acc, transpose_A=True)
+                            T.barrier_arrive(free[Q_TILE])
+                            T.barrier_wait(d_w_ready, phase)
+                            T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)  # d_k_gated
+                            T.barrier_arrive(free[GATED])
+                            row_dots(wide, k_tile, values_products, values_rows, k_gate_sum)
+                            for r, d in T.Parallel(C, K):
+                                dk_acc[r, d] = dk_acc[r, d] + gate[r] * wide[r, d]
+                            T.barrier_wait(d_gram_ready, phase)
+                            T.gemm(inverse_op, k_tile, dk_acc)
+                            T.gemm(inverse_op, k_tile, dk_acc, transpose_A=True)
+                            T.barrier_arrive(free[K_TILE])
+                            for r, d in T.Parallel(C, K):
+                                if r < n:
+                                    dk[s + r, hv, d] = dk_acc[r, d]
+                            T.barrier_wait(columns_summed, phase)
+                            column_sums(x_decay, values_cols, decay_cols)
+                        else:
+                            # --- State role.  d_w = -dU S^T; dq's first term dO S^T.
+                            T.barrier_wait(full[DU], phase)
+                            T.barrier_wait(full[STATE], phase)
+                            T.gemm(du_tile, state, d_w_acc, transpose_B=True, clear_accum=True)
+                            for r, d in T.Parallel(C, K):
+                                d_w_op[r, d] = T.cast(-d_w_acc[r, d], dtype)
+                            hand_over(d_w_ready)
+                            T.barrier_wait(full[DO], phase)
+                            T.gemm(do_tile, state, dq_acc, transpose_B=True, clear_accum=True)
+                            T.barrier_arrive(free[DO])
+
+                            # <S, dS'>, a column block at a time.
+                            T.barrier_wait(full[STATE_GRAD], phase)
+                            T.clear(state_rows)
+                            for block in T.serial(V // state_cols):
+                                for d, j in T.Parallel(K, state_cols):
+                                    state_products[d, j] = (T.cast(state[d, block * state_cols + j], accum)
+                                                            * T.cast(state_grad[d, block * state_cols + j], accum))
+                                T.reduce_sum(state_products, state_part, dim=1)
+                                for d in T.Parallel(K):
+                                    state_rows[d] = state_rows[d] + state_part[d]
+                            T.barrier_arrive(free[STATE])
+                            T.barrier_arrive(free[STATE_GRAD])
+                            for d in T.Parallel(K):
+                                state_dot[d] = state_rows[d]
+
+                            # dv = gated^T dU; d_gated = dU V^T + d_w (diag(G) Kn)^T, the gate scaling
+                            # d_w Kn^T's columns.
+                            T.barrier_wait(full[GATED], phase)
+                            T.gemm(gated, du_tile, dv_acc, transpose_A=True, clear_accum=True)
+                            T.barrier_arrive(free[GATED])
+                            for r, j in T.Parallel(C, V):
+                                if r < n:
+                                    dv[s + r, hv, j] = T.cast(dv_acc[r, j], dtype)
+                            T.barrier_wait(keys_ready, phase)
+                            T.gemm(d_w_op, k_tile, d_gated, transpose_B=True, clear_accum=True)
+                            for r, j in T.Parallel(C, C):
+                                d_gated[r, j] = d_gated[r, j] * gate[j]
+                            T.barrier_wait(full[V_TILE], phase)
+                            T.gemm(du_tile, v_tile, d_gated, transpose_B=True)
+                            T.barrier_arrive(free[V_TILE])
+                            T.barrier_arrive(free[DU])
+
+                            # Through the inverse: d_a0 = d_gated o E diag(beta); X_gated = d_gated o A0 o E diag(beta).
+                            T.barrier_wait(full[A0], phase)
+                            for r, j in T.Parallel(C, C):
+                                e = decay(gamma_tile, r, j, n)
+                                inverse_op[r, j] = T.cast(d_gated[r, j] * e * beta_tile[j], dtype)
+                                d_gated[r, j] = d_gated[r, j] * a0[r, j] * e
+                            column_sums(d_gated, state_role_cols, gated_cols)
+                            T.barrier_arrive(columns_summed)
+                            for r, j in T.Parallel(C, C):
+                                d_gated[r, j] = d_gated[r, j] * beta_tile[j]
+                            row_sums(d_gated, state_role_rows, gated_rows)
+                            T.gemm(a0, inverse_op, small, transpose_A=True, clear_accum=True)
+                            T.copy(small, inverse_op)  # A0^T d_a0
+                            T.gemm(inverse_op, a0, small, transpose_B=True, clear_accum=True)
+                            T.barrier_arrive(free[A0])
+                            for r, j in T.Parallel(C, C):
+                                small[r, j] = T.Select(j < r and r < n, -small[r, j], T.float32(0))  # dM
+                            for r, j in T.Parallel(C, C):
+                                inverse_op[r, j] = T.cast(beta_tile[r] * small[r, j], dtype)  # d_gram = diag(beta) dM
+                            hand_over(d_gram_ready)
+                            # dbeta's second term: rowsum(dM o Kn Kn^T).
+                            T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
+                            for r, j in T.Parallel(C, C):
+                                gram[r, j] = gram[r, j] * small[r, j]
+                            row_sums(gram, state_role_rows, beta_rows)
+
+                            # dq = diag(G) dO S^T + d_qk Kn.
+                            row_dots(dq_acc, q_tile, state_role_products, state_role_rows, q_gate_sum)
+                            T.barrier_arrive(free[Q_TILE])
+                            for r, d in T.Parallel(C, K):
+                                dq_acc[r, d] = dq_acc[r, d] * gate[r]
+                            T.barrier_wait(d_qk_ready, phase)
+                            T.gemm(d_qk_op, k_tile, dq_acc)
+                            T.barrier_arrive(free[K_TILE])
+                            for r, d in T.Parallel(C, K):
+                                if r < n:
+                                    dq[s + r, hv, d] = dq_acc[r, d]
+
+                        # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last), and gamma_last enters through
+                        # every te (cancelling d_gamma's te terms for r' >= r) and through the chunk's decay
+                        # exp(gamma_last) S.  X's rows and columns: rowsum(X) - colsum(X), both terms.
+                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
+                        if tx < n:
+                            dg[s + tx, hv] = serial_sum(lambda j: T.Select(
+                                j < n,
+                                T.Select(j >= tx,
+                                         gate[j] * (q_gate_sum[j] + k_gate_sum[j]) + decay_rows[j] + gated_rows[j]
+                                         - decay_cols[j] - beta_tile[j] * gated_cols[j],
+                                         to_end[j] * tail_sum[j]),
+                                T.float32(0),
+                            ), C) + T.exp2(gamma_tile[n - 1]) * serial_sum(lambda d: state_dot[d], K)
+                            dbeta[s + tx, hv] = gated_cols[tx] + beta_rows[tx]
+                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)  # before the next item's row values
+                        handled = handled + 1
+            else:
+                # --- Loader: each tile of the program's next item as soon as its slot is free, in the
+                # order the slots free up (rows past the tensor arrive as zeros).
+                T.set_max_nreg(LOADER_REGS, 0)
+                for i in T.serial(my_items):
+                    item = program + i * programs
+                    hv = item % num_v_heads
+                    chunk_id = item // num_v_heads
+                    hk = hv // group
+                    s = chunk_table[chunk_id, 0]
+                    slot = chunk_table[chunk_id, 2]
+                    free_phase = handled % 2 ^ 1  # a fresh barrier counts as freed
+                    if chunk_table[chunk_id, 1] > s:
+                        T.barrier_wait(free[A_KEYS], free_phase)
+                        T.tma_copy(A_keys[s : s + C, hv, :], a_keys, barrier=full[A_KEYS])
+                        T.barrier_arrive(full[A_KEYS])
+                        T.barrier_wait(free[STATE], free_phase)
+                        T.tma_copy(chunk_states[slot, hv, :, :], state, barrier=full[STATE])
+                        T.barrier_arrive(full[STATE])
+                        T.barrier_wait(free[DO], free_phase)
+                        T.tma_copy(do[s : s + C, hv, :], do_tile, barrier=full[DO])
+                        T.barrier_arrive(full[DO])
+                        T.barrier_wait(free[STATE_GRAD], free_phase)
+                        T.tma_copy(chunk_state_grads[slot, hv, :, :], state_grad, barrier=full[STATE_GRAD])
+                        T.barrier_arrive(full[STATE_GRAD])
+                        T.barrier_wait(free[V_TILE], free_phase)
+                        T.tma_copy(v[s : s + C, hv, :], v_tile, barrier=full[V_TILE])
+                        T.barrier_arrive(full[V_TILE])
+                        T.barrier_wait(free[DU], free_phase)
+                        T.tma_copy(du[s : s + C, hv, :], du_tile, barrier=full[DU])
+                        T.barrier_arrive(full[DU])
+                        T.barrier_wait(free[A0], free_phase)
+                        T.tma_copy(A_inverse[s : s + C, hv, :], a0, barrier=full[A0])
+                        T.barrier_arrive(full[A0])
+                        T.barrier_wait(free[GATED], free_phase)
+                        T.tma_copy(A_values[s : s + C, hv, :], gated, barrier=full[GATED])
+                        T.barrier_arrive(full[GATED])
+                        T.barrier_wait(free[Q_TILE], free_phase)
+                        T.tma_copy(q[s : s + C, hk, :], q_tile, barrier=full[Q_TILE])
+                        T.barrier_arrive(full[Q_TILE])
+                        T.barrier_wait(free[K_TILE], free_phase)
+                        T.tma_copy(k[s : s + C, hk, :], k_tile, barrier=full[K_TILE])
+                        T.barrier_arrive(full[K_TILE])
+                        handled = handled + 1
 
     return chunk_local_gradients
-
-
-# The tiles' lifetimes overlap little (S and dS' die halfway, the 64 x 64 tiles of the
-# inverse's gradient are born late), but TileLang's default merge keeps every
-# buffer live from a TMA load on: 300 KB, more than an SM has (the launch failed on
-# an H200).  The aggressive merge reuses by liveness: 202 KB (206848 bytes).  Safe
-# here: every GEMM waits for its operands, the TMA loads are issued first, so no
-# async access straddles a reuse, and the one phase whose threads take different
-# branches (the serial sums) syncs before it writes.  Liveness follows program
-# order, so a write after the branches could land on a square another branch is
-# still reading.
-build_chunk_local_gradients.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
