@@ -72,7 +72,7 @@ def build_chunk_local_gradients(
     """
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
-    assert C == 64 and num_v_heads % num_qk_heads == 0
+    assert C == 64 and K == 2 * C and num_v_heads % num_qk_heads == 0  # K == 2C: <S, dS'> over 64 rows of dg
     group = num_v_heads // num_qk_heads
     accum = "float32"
     state_cols = 32  # <S, dS'> in column blocks: a [K, 32] fp32 fragment per pass
@@ -98,14 +98,6 @@ def build_chunk_local_gradients(
             out[r] = sums[r]
 
     @T.macro
-    def column_sums(square, sums, out):
-        """Across the role's four warps: TileLang's reduction syncs on named barriers 1 and 2 for any
-        128 threads, so the two roles take turns (``columns_summed``)."""
-        T.reduce_sum(square, sums, dim=0)
-        for j in T.Parallel(C):
-            out[j] = sums[j]
-
-    @T.macro
     def serial_sum(term, count):
         """``sum_i term(i)`` over ``i < count`` in the calling thread (two interleaved partial sums)."""
         even = T.alloc_var(accum, init=0)
@@ -114,6 +106,16 @@ def build_chunk_local_gradients(
             even = even + term(2 * i)
             odd = odd + term(2 * i + 1)
         return even + odd
+
+    @T.macro
+    def column_sums(square, staging, out, role_tx):
+        """``out[j] = sum_r square[r, j]`` of a C x C fragment, through ``staging`` (fp32 shared, a dead tile
+        of the role's): one thread per column sums it serially.  A reduction of the fragment over its rows
+        (TileLang's ``reduce_sum(dim=0)``) crosses the role's four warps with two named-barrier syncs per
+        value a thread holds, 32 in all; the traces put it at ~5K cycles, this at a fraction."""
+        T.copy(square, staging)
+        if role_tx < C:
+            out[role_tx] = serial_sum(lambda r: staging[r, role_tx], C)
 
     @T.macro
     def decay(gamma_tile, r, j, n):
@@ -199,7 +201,6 @@ def build_chunk_local_gradients(
             d_w_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             d_qk_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             d_gram_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
-            columns_summed = T.alloc_barrier(arrive_count=ROLE_THREADS)
 
             # Values role.
             wide = T.alloc_fragment([C, K], accum)  # Kbar, then d_k_gated
@@ -209,7 +210,6 @@ def build_chunk_local_gradients(
             dk_acc = T.alloc_fragment([C, K], accum)
             values_products = T.alloc_fragment([C, K], accum)
             values_rows = T.alloc_fragment([C], accum)
-            values_cols = T.alloc_fragment([C], accum)
             # State role.
             d_w_acc = T.alloc_fragment([C, K], accum)
             dv_acc = T.alloc_fragment([C, V], accum)
@@ -222,7 +222,6 @@ def build_chunk_local_gradients(
             state_part = T.alloc_fragment([K], accum)
             state_role_products = T.alloc_fragment([C, K], accum)
             state_role_rows = T.alloc_fragment([C], accum)
-            state_role_cols = T.alloc_fragment([C], accum)
 
             # Items handled so far (padding items of the chunk table skipped): every barrier
             # completes once per item, so this is the parity of the item's phase.
@@ -322,6 +321,7 @@ def build_chunk_local_gradients(
                                 dk_acc[r, d] = dk_acc[r, d] * to_end[r]
                             T.gemm(d_qk_op, q_tile, dk_acc, transpose_A=True)
                             T.barrier_arrive(free[Q_TILE])
+                            column_sums(x_decay, T.view(kbar_u_op, [C, C], accum), decay_cols, tx)  # U is dead
                             T.barrier_wait(d_w_ready, phase)
                             T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)  # d_k_gated
                             T.barrier_arrive(free[GATED])
@@ -335,8 +335,6 @@ def build_chunk_local_gradients(
                             for r, d in T.Parallel(C, K):
                                 if r < n:
                                     dk[s + r, hv, d] = dk_acc[r, d]
-                            T.barrier_wait(columns_summed, phase)
-                            column_sums(x_decay, values_cols, decay_cols)
                         else:
                             # --- State role.  d_w = -dU S^T; dq's first term dO S^T.
                             T.barrier_wait(full[DU], phase)
@@ -379,7 +377,6 @@ def build_chunk_local_gradients(
                             T.barrier_wait(full[V_TILE], phase)
                             T.gemm(du_tile, v_tile, d_gated, transpose_B=True)
                             T.barrier_arrive(free[V_TILE])
-                            T.barrier_arrive(free[DU])
 
                             # Through the inverse: d_a0 = d_gated o E diag(beta); X_gated = d_gated o A0 o E diag(beta).
                             T.barrier_wait(full[A0], phase)
@@ -387,8 +384,8 @@ def build_chunk_local_gradients(
                                 e = decay(gamma_tile, r, j, n)
                                 inverse_op[r, j] = T.cast(d_gated[r, j] * e * beta_tile[j], dtype)
                                 d_gated[r, j] = d_gated[r, j] * a0[r, j] * e
-                            column_sums(d_gated, state_role_cols, gated_cols)
-                            T.barrier_arrive(columns_summed)
+                            column_sums(d_gated, T.view(du_tile, [C, C], accum), gated_cols, tx - ROLE_THREADS)
+                            T.barrier_arrive(free[DU])  # its tile held the sums' staging
                             for r, j in T.Parallel(C, C):
                                 d_gated[r, j] = d_gated[r, j] * beta_tile[j]
                             row_sums(d_gated, state_role_rows, gated_rows)
@@ -421,18 +418,23 @@ def build_chunk_local_gradients(
 
                         # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last), and gamma_last enters through
                         # every te (cancelling d_gamma's te terms for r' >= r) and through the chunk's decay
-                        # exp(gamma_last) S.  X's rows and columns: rowsum(X) - colsum(X), both terms.
+                        # exp(gamma_last) S:  dg_r = sum_j (j >= r ? head_j : tail_j) + exp(gamma_last) <S, dS'>,
+                        # head_j = G_j (q_gate_sum_j + k_gate_sum_j) + rowsum(X)_j - colsum(X)_j and
+                        # tail_j = te_j tail_sum_j (0 past n).  <S, dS'> is split over the 64 j and added to
+                        # both, so that the one picked carries it.  In place: thread j reads only its own j.
+                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
+                        if tx < C:
+                            dot = T.exp2(gamma_tile[n - 1]) * (state_dot[tx] + state_dot[tx + C])
+                            dbeta_row = gated_cols[tx] + beta_rows[tx]
+                            q_gate_sum[tx] = T.Select(tx < n, gate[tx] * (q_gate_sum[tx] + k_gate_sum[tx])
+                                                      + decay_rows[tx] + gated_rows[tx] - decay_cols[tx]
+                                                      - beta_tile[tx] * gated_cols[tx], T.float32(0)) + dot
+                            tail_sum[tx] = T.Select(tx < n, to_end[tx] * tail_sum[tx], T.float32(0)) + dot
+                            if tx < n:
+                                dbeta[s + tx, hv] = dbeta_row
                         T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
                         if tx < n:
-                            dg[s + tx, hv] = serial_sum(lambda j: T.Select(
-                                j < n,
-                                T.Select(j >= tx,
-                                         gate[j] * (q_gate_sum[j] + k_gate_sum[j]) + decay_rows[j] + gated_rows[j]
-                                         - decay_cols[j] - beta_tile[j] * gated_cols[j],
-                                         to_end[j] * tail_sum[j]),
-                                T.float32(0),
-                            ), C) + T.exp2(gamma_tile[n - 1]) * serial_sum(lambda d: state_dot[d], K)
-                            dbeta[s + tx, hv] = gated_cols[tx] + beta_rows[tx]
+                            dg[s + tx, hv] = serial_sum(lambda j: T.Select(j >= tx, q_gate_sum[j], tail_sum[j]), C)
                         T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)  # before the next item's row values
                         handled = handled + 1
             else:
