@@ -169,6 +169,11 @@ def test_chunk_local_gradients_compile(hqk, hv, dtype):
     assert "wgmma" in source and "dbeta[" in source
     # Found on the device once (300 KB before the aggressive merge): a launch error, not a compile error.
     assert 150 * 1024 < shared_memory_used(source) < SMEM_PER_BLOCK
+    # Persistent: 132 programs of three warpgroups, the loader's registers handed to the math roles.
+    assert "__launch_bounds__(384, 1)" in source and "warpgroup_reg_dealloc<24>" in source
+    # TileLang's reductions across warps sync on named barriers 1 and 2 for any 128 threads: two roles
+    # running them at once would complete each other's barriers.  The kernel sums columns without them.
+    assert "AllReduce<tl::SumOp, 128" not in source
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,l2norm", [(16, 32, "bfloat16", True), (2, 8, "float16", False)])

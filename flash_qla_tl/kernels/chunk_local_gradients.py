@@ -1,4 +1,4 @@
-"""The backward's chunk-local gradients: everything but the two walks, one program per (chunk, value head).
+"""The backward's chunk-local gradients: everything but the two walks, per (chunk, value head) item.
 
 The walks (the forward state pass with ``store_chunk_states``, then
 ``reverse_state_pass``) leave, per chunk, the state entering it ``S``, the
@@ -122,6 +122,21 @@ def build_chunk_local_gradients(
         """``E[r, j]``: ``exp(gamma_r - gamma_j)`` on ``j <= r < n``, else 0 (a select, never inf * 0)."""
         return T.Select(j <= r and r < n, T.exp2(T.min(gamma_tile[r] - gamma_tile[j], T.float32(0))), T.float32(0))
 
+    def item_at(chunk_table, program, i):
+        """``(hv, hk, start, tokens, slot)`` of a program's ``i``-th item; value heads fastest, so that
+        neighbouring programs work on one q/k head group's items at once and share its q, k in L2."""
+        item = program + i * programs
+        hv, chunk_id = item % num_v_heads, item // num_v_heads
+        start = chunk_table[chunk_id, 0]
+        return hv, hv // group, start, chunk_table[chunk_id, 1] - start, chunk_table[chunk_id, 2]
+
+    @T.macro
+    def reload(free, full, slot, source, tile, free_phase):
+        """The loader: ``source`` into ``tile`` once its slot's readers have released it."""
+        T.barrier_wait(free[slot], free_phase)
+        T.tma_copy(source, tile, barrier=full[slot])
+        T.barrier_arrive(full[slot])
+
     @T.macro
     def hand_over(barrier):
         """Publish this role's shared-memory writes to the other one's GEMMs (async proxy)."""
@@ -153,8 +168,6 @@ def build_chunk_local_gradients(
         dbeta: T.Tensor([num_tokens, num_v_heads], accum),
     ):
         with T.Kernel(programs, threads=THREADS) as program:
-            # Items (chunk, value head), value heads fastest: neighbouring programs work on one
-            # q/k head group's items at once and share its q, k tiles in L2.
             num_items = num_chunks * num_v_heads
             my_items = T.ceildiv(T.max(num_items - program, 0), programs)
 
@@ -233,13 +246,7 @@ def build_chunk_local_gradients(
                 else:
                     T.set_max_nreg(STATE_REGS, 1)
                 for i in T.serial(my_items):
-                    item = program + i * programs
-                    hv = item % num_v_heads
-                    chunk_id = item // num_v_heads
-                    hk = hv // group
-                    s = chunk_table[chunk_id, 0]
-                    n = chunk_table[chunk_id, 1] - s
-                    slot = chunk_table[chunk_id, 2]
+                    hv, hk, s, n, slot = item_at(chunk_table, program, i)
                     phase = handled % 2
                     if n > 0:  # n == 0: a padding entry of the chunk table
                         if tx < C:
@@ -442,44 +449,19 @@ def build_chunk_local_gradients(
                 # order the slots free up (rows past the tensor arrive as zeros).
                 T.set_max_nreg(LOADER_REGS, 0)
                 for i in T.serial(my_items):
-                    item = program + i * programs
-                    hv = item % num_v_heads
-                    chunk_id = item // num_v_heads
-                    hk = hv // group
-                    s = chunk_table[chunk_id, 0]
-                    slot = chunk_table[chunk_id, 2]
+                    hv, hk, s, n, slot = item_at(chunk_table, program, i)
                     free_phase = handled % 2 ^ 1  # a fresh barrier counts as freed
-                    if chunk_table[chunk_id, 1] > s:
-                        T.barrier_wait(free[A_KEYS], free_phase)
-                        T.tma_copy(A_keys[s : s + C, hv, :], a_keys, barrier=full[A_KEYS])
-                        T.barrier_arrive(full[A_KEYS])
-                        T.barrier_wait(free[STATE], free_phase)
-                        T.tma_copy(chunk_states[slot, hv, :, :], state, barrier=full[STATE])
-                        T.barrier_arrive(full[STATE])
-                        T.barrier_wait(free[DO], free_phase)
-                        T.tma_copy(do[s : s + C, hv, :], do_tile, barrier=full[DO])
-                        T.barrier_arrive(full[DO])
-                        T.barrier_wait(free[STATE_GRAD], free_phase)
-                        T.tma_copy(chunk_state_grads[slot, hv, :, :], state_grad, barrier=full[STATE_GRAD])
-                        T.barrier_arrive(full[STATE_GRAD])
-                        T.barrier_wait(free[V_TILE], free_phase)
-                        T.tma_copy(v[s : s + C, hv, :], v_tile, barrier=full[V_TILE])
-                        T.barrier_arrive(full[V_TILE])
-                        T.barrier_wait(free[DU], free_phase)
-                        T.tma_copy(du[s : s + C, hv, :], du_tile, barrier=full[DU])
-                        T.barrier_arrive(full[DU])
-                        T.barrier_wait(free[A0], free_phase)
-                        T.tma_copy(A_inverse[s : s + C, hv, :], a0, barrier=full[A0])
-                        T.barrier_arrive(full[A0])
-                        T.barrier_wait(free[GATED], free_phase)
-                        T.tma_copy(A_values[s : s + C, hv, :], gated, barrier=full[GATED])
-                        T.barrier_arrive(full[GATED])
-                        T.barrier_wait(free[Q_TILE], free_phase)
-                        T.tma_copy(q[s : s + C, hk, :], q_tile, barrier=full[Q_TILE])
-                        T.barrier_arrive(full[Q_TILE])
-                        T.barrier_wait(free[K_TILE], free_phase)
-                        T.tma_copy(k[s : s + C, hk, :], k_tile, barrier=full[K_TILE])
-                        T.barrier_arrive(full[K_TILE])
+                    if n > 0:
+                        reload(free, full, A_KEYS, A_keys[s : s + C, hv, :], a_keys, free_phase)
+                        reload(free, full, STATE, chunk_states[slot, hv, :, :], state, free_phase)
+                        reload(free, full, DO, do[s : s + C, hv, :], do_tile, free_phase)
+                        reload(free, full, STATE_GRAD, chunk_state_grads[slot, hv, :, :], state_grad, free_phase)
+                        reload(free, full, V_TILE, v[s : s + C, hv, :], v_tile, free_phase)
+                        reload(free, full, DU, du[s : s + C, hv, :], du_tile, free_phase)
+                        reload(free, full, A0, A_inverse[s : s + C, hv, :], a0, free_phase)
+                        reload(free, full, GATED, A_values[s : s + C, hv, :], gated, free_phase)
+                        reload(free, full, Q_TILE, q[s : s + C, hk, :], q_tile, free_phase)
+                        reload(free, full, K_TILE, k[s : s + C, hk, :], k_tile, free_phase)
                         handled = handled + 1
 
     return chunk_local_gradients
