@@ -24,7 +24,7 @@ No autograd is involved.
 Nothing here is saved between forward and backward except the inputs: the
 states entering each chunk are recomputed (one forward walk), as the Hopper
 kernels do (``hopper_backward.py``: the walks, then ``chunk_local_gradients``
-for :func:`local_gradients` and ``qk_input_gradients`` for :func:`undo_prepare`).
+for :func:`local_gradients` and :func:`undo_prepare`).
 """
 
 from __future__ import annotations

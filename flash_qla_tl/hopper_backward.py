@@ -10,10 +10,10 @@ sequence's chunks, then gradients local to every chunk.  Here:
    per token, the gradient of the state leaving every chunk, and ``dh0``.
    The two walks do not depend on each other: they run side by side, the
    recompute on a second stream, each planned for half the SMs;
-3. ``chunk_local_gradients``, one program per (chunk, value head): dq, dk per
-   value head (fp32), dv, dg, dbeta;
-4. ``qk_input_gradients``: dq and dk summed over each q/k head's value heads
-   (fp32, in a fixed order), the scale, and the l2norm's backward.
+3. ``chunk_local_gradients``, persistent programs over the (chunk, value head)
+   items: dv, dg, dbeta per item, and dq, dk of the inputs: per (chunk, q/k head),
+   summed over the head's value heads (fp32, in a fixed order), with the scale
+   and the l2norm's backward.
 
 Chunk states live at slot ``bos // 64 + seq + c`` (chunk_forward's docstring,
 ``planning.chunk_table``'s third column), of the sequences or, where the walks
@@ -111,8 +111,10 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
     return states, state_grads, du, dh0, chunk_table
 
 
-def kernel_local_gradients(ops: hopper_forward.ChunkOperands, do_packed, states, state_grads, du, chunk_table):
-    """Step 3: ``(dq, dk, dv, dg, dbeta)`` per token ``[T, Hv, ...]``; dq, dk those of the prepared q, k (fp32).
+def kernel_local_gradients(ops: hopper_forward.ChunkOperands, do_packed, states, state_grads, du, chunk_table,
+                           l2norm):
+    """Step 3: ``(dq, dk, dv, dg, dbeta)`` per token: dq, dk ``[T, Hqk, K]`` the inputs' (q's dtype), dv
+    ``[T, Hv, V]``, dg and dbeta ``[T, Hv]`` fp32.
 
     ``chunk_table``'s slots index ``states`` and ``state_grads`` (kernel_walks' table).
     """
@@ -121,24 +123,13 @@ def kernel_local_gradients(ops: hopper_forward.ChunkOperands, do_packed, states,
 
     hqk, hv, kdim, vdim, dtype = ops.config
     total, device = ops.v.shape[0], ops.v.device
-    dq, dk = (torch.empty(total, hv, kdim, dtype=torch.float32, device=device) for _ in range(2))
-    dv = torch.empty_like(ops.v)
+    dq, dk, dv = torch.empty_like(ops.q), torch.empty_like(ops.k), torch.empty_like(ops.v)
     dg, dbeta = (torch.empty(total, hv, dtype=torch.float32, device=device) for _ in range(2))
-    local = compile_program(build_chunk_local_gradients, hqk, hv, kdim, vdim, dtype, context_parallel.num_sms(device))
-    local(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v, do_packed, du, ops.gamma, ops.beta, ops.a_keys,
-          ops.a_values, ops.a_inverse, chunk_table, states, state_grads, ops.scale, dq, dk, dv, dg, dbeta)
+    local = compile_program(build_chunk_local_gradients, hqk, hv, kdim, vdim, dtype, l2norm,
+                            context_parallel.num_sms(device))
+    local(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v, do_packed, du, ops.gamma, ops.beta, ops.a_values,
+          ops.a_inverse, chunk_table, states, state_grads, ops.scale, dq, dk, dv, dg, dbeta)
     return dq, dk, dv, dg, dbeta
-
-
-def qk_input_gradients(ops: hopper_forward.ChunkOperands, d, x, x_norm, factor, l2norm):
-    """Step 4 for q or k: ``d`` (per value head, fp32) -> the input's gradient ``[T, Hqk, K]`` in its dtype."""
-    from .kernels.compile import compile_program
-    from .kernels.qk_input_gradients import build_qk_input_gradients
-
-    hqk, hv, kdim, _, dtype = ops.config
-    dx = torch.empty_like(x)
-    compile_program(build_qk_input_gradients, hqk, hv, kdim, dtype, l2norm)(d, x, x_norm, factor, dx)
-    return dx
 
 
 def chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
@@ -153,9 +144,8 @@ def chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
     do_packed = hopper_forward.packed_tokens(do.to(q.dtype))
     h0 = None if initial_state is None else initial_state.float().contiguous()
     states, state_grads, du, dh0, chunk_table = kernel_walks(ops, do_packed, h0, dht)
-    dq, dk, dv, dg, dbeta = kernel_local_gradients(ops, do_packed, states, state_grads, du, chunk_table)
-    dq, dk = (qk_input_gradients(ops, d, x, norms, factor, use_qk_l2norm_in_kernel)
-              for d, x, norms, factor in ((dq, ops.q, ops.q_norm, ops.scale), (dk, ops.k, ops.k_norm, 1.0)))
+    dq, dk, dv, dg, dbeta = kernel_local_gradients(ops, do_packed, states, state_grads, du, chunk_table,
+                                                   use_qk_l2norm_in_kernel)
     unpack = lambda x, like: x.view(*like.shape[:2], *x.shape[1:]).to(like.dtype)
     return (unpack(dq, q), unpack(dk, k), unpack(dv, v), unpack(dg, g), unpack(dbeta, beta),
             None if initial_state is None else dh0.to(initial_state.dtype))

@@ -33,7 +33,6 @@ from flash_qla_tl.kernels.chunk_prep import build_chunk_prep  # noqa: E402
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
-from flash_qla_tl.kernels.qk_input_gradients import build_qk_input_gradients  # noqa: E402
 from flash_qla_tl.kernels.recurrent_step import BLOCK_WIDTHS as DECODE_WIDTHS  # noqa: E402
 from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step  # noqa: E402
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass  # noqa: E402
@@ -82,9 +81,9 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
                                        correction(b, True))) for b in widths]
     if "backward" in kernels:
-        out += [(build_chunk_prep, (hqk, hv, 128, dtype, True, True)),
-                (build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, HOPPER_SMS))]
-        out += [(build_qk_input_gradients, (hqk, hv, 128, dtype, l2norm)) for l2norm in (True, False)]
+        out.append((build_chunk_prep, (hqk, hv, 128, dtype, True, True)))
+        out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, HOPPER_SMS))
+                for l2norm in (True, False)]
         for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))

@@ -108,16 +108,16 @@ def test_unsupported_inputs_differentiate_through_the_pytorch_backward(shape, mo
     assert all(errors[n] <= TOL[n] for n in errors), errors
 
 
-def _kernel_and_torch_walks(x, do, dht):
-    """The same problem (l2norm on) as the Hopper kernels' operands and walks, and as PyTorch's Chunks and walks.
+def _kernel_and_torch_walks(x, do, dht, l2norm=True):
+    """The same problem as the Hopper kernels' operands and walks, and as PyTorch's Chunks and walks.
 
     Returns ``(ops, do_packed, kernel walks, chunks, d_out, torch walks, kernel walks in chunk order)``.
     """
     inputs = (x["q"], x["k"], x["v"], x["g"], x["beta"], None)
     h0, cu = x["initial_state"], x["cu_seqlens"]
-    c, state0, d_out = chunked_backward.chunk_problem(*inputs, h0, do, True, cu)
+    c, state0, d_out = chunked_backward.chunk_problem(*inputs, h0, do, l2norm, cu)
     torch_walks = chunked_backward.torch_walks(c, state0, d_out, dht)
-    ops = hopper_forward.prepare_chunks(*inputs, True, cu, store_inverse=True)
+    ops = hopper_forward.prepare_chunks(*inputs, l2norm, cu, store_inverse=True)
     do_packed = hopper_forward.packed_tokens(do)
     walks = hopper_backward.kernel_walks(ops, do_packed, h0.float().contiguous(), dht)
     states, state_grads, du, dh0, chunk_table = walks
@@ -139,15 +139,18 @@ def test_kernel_walks_match_the_torch_walks():
         assert rel_rms(got, want) < 5e-3, (name, rel_rms(got, want))
 
 
-@pytest.mark.parametrize("decay", ["normal", "strong"])
-def test_local_gradient_kernel_matches_its_torch_form(decay):
-    """chunk_local_gradients alone: from the kernels' own walks, against chunked_backward.local_gradients."""
-    x = _inputs(seqs=[70, 0, 300, 1, 64], hqk=2, hv=4, initial_state=True, decay=decay)
+@pytest.mark.parametrize("decay,l2norm,hv", [("normal", True, 4), ("strong", True, 4), ("normal", False, 6),
+                                             ("strong", False, 2)])
+def test_local_gradient_kernel_matches_its_torch_form(decay, l2norm, hv):
+    """chunk_local_gradients alone: from the kernels' own walks, against chunked_backward.local_gradients
+    (dq, dk through undo_prepare: the group sum, the scale, the l2norm's backward)."""
+    x = _inputs(seqs=[70, 0, 300, 1, 64], hqk=2, hv=hv, initial_state=True, decay=decay)
     do, dht = _output_grads(x)
-    ops, do_packed, walks, c, d_out, _, kernel_walks = _kernel_and_torch_walks(x, do, dht)
+    ops, do_packed, walks, c, d_out, _, kernel_walks = _kernel_and_torch_walks(x, do, dht, l2norm)
     states, state_grads, du, _, chunk_table = walks
-    got = hopper_backward.kernel_local_gradients(ops, do_packed, states, state_grads, du, chunk_table)
-    want = chunked_backward.local_gradients(c, *kernel_walks[:3], d_out, 1, do.shape[1])
+    got = hopper_backward.kernel_local_gradients(ops, do_packed, states, state_grads, du, chunk_table, l2norm)
+    dq, dk, *rest = chunked_backward.local_gradients(c, *kernel_walks[:3], d_out, 1, do.shape[1])
+    want = (*chunked_backward.undo_prepare(dq, dk, x["q"].float(), x["k"].float(), None, l2norm), *rest)
     for name, g, w, tol in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, (8e-3, 8e-3, 8e-3, 2e-2, 2e-2)):
         assert g.shape == w.shape[1:], name
         assert rel_rms(g, w[0]) <= tol, (name, rel_rms(g, w[0]))
@@ -170,21 +173,6 @@ def test_context_parallel_walks(decay, monkeypatch):
         True, x["cu_seqlens"])
     errors = {n: rel_rms(got[n], w) for n, w in zip(DIFFERENTIABLE, want)}
     assert all(errors[n] <= TOL[n] for n in errors), errors
-
-
-@pytest.mark.parametrize("l2norm", [True, False])
-def test_qk_input_gradient_kernel_matches_undo_prepare(l2norm):
-    """qk_input_gradients alone (group sum, scale, l2norm backward) against chunked_backward.undo_prepare."""
-    x = _inputs(length=100, hqk=2, hv=8)
-    ops = hopper_forward.prepare_chunks(x["q"], x["k"], x["v"], x["g"], x["beta"], None, l2norm, None)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    d_q, d_k = (torch.randn(100, 8, D, generator=gen, device="cuda") for _ in range(2))
-    want = chunked_backward.undo_prepare(d_q, d_k, ops.q.float(), ops.k.float(), None, l2norm)
-    got = [hopper_backward.qk_input_gradients(ops, d, xx, norms, factor, l2norm)
-           for d, xx, norms, factor in ((d_q, ops.q, ops.q_norm, ops.scale), (d_k, ops.k, ops.k_norm, 1.0))]
-    for g, w in zip(got, want):
-        assert g.dtype == torch.bfloat16 and g.shape == (100, 2, D)
-        assert rel_rms(g, w) < 4e-3  # one rounding to bf16
 
 
 def test_backward_replays_in_a_cuda_graph():

@@ -5,11 +5,12 @@ The walks (the forward state pass with ``store_chunk_states``, then
 gradient of the state leaving it ``dS'`` (slot ``bos // 64 + seq + c``) and ``dU``
 per token, all in ``dtype``: here they are only GEMM operands (and ``<S, dS'>``).  Given those, a chunk's gradients depend on nothing
 outside it; this kernel computes them with ``chunked_backward.py``'s formulas
-(the specification; its names are used here).  Per chunk, ``Qs = diag(scale rq) Q``,
-``Kn = diag(rk) K``, ``G = exp(gamma)``, ``te = exp(gamma_last - gamma)``,
+(the specification; its names are used here).  Per chunk, with the rows of q
+and k normalised (``Qn = diag(rq) Q``, ``Kn = diag(rk) K``; ``r = 1`` without the
+l2norm) and ``Qs = scale Qn``, ``G = exp(gamma)``, ``te = exp(gamma_last - gamma)``,
 ``E[r, j] = exp(gamma_r - gamma_j)`` for ``j <= r``, ``A0 = (I + M)^-1``
 (stored by chunk_prep), ``gated = A_values = (A0 o E) diag(beta)`` and
-``Kbar = A_keys K = -diag(G) A0 diag(beta) Kn``::
+``Kbar = -diag(G) A0 diag(beta) Kn = -gated diag(G) Kn`` (as diag(G) A0 = (A0 o E) diag(G))::
 
     U       = gated V + Kbar S
     dO U^T  -> d_qk = (dO U^T) o E,  d_decay = (dO U^T) o (Qs Kn^T)
@@ -24,10 +25,15 @@ outside it; this kernel computes them with ``chunked_backward.py``'s formulas
               + rowsum(X) - colsum(X),   X = (d_decay + d_gated o A0 diag(beta)) o E
     dg_r    = sum_{r' >= r} d_gamma_r' + sum_r te rowsum(Kn o d_tail) + exp(gamma_last) <S, dS'>
 
-``dq`` and ``dk`` are per *value* head (fp32); the launcher sums each q/k head's
-group (fp32, deterministic: no atomics), applies the scale and the l2norm's
-backward.  All GEMMs take ``dtype`` operands with fp32 accumulation, like the
-forward's; row and column sums, the decays and the cumulative sum are fp32.
+``dq`` (of ``Qs``) and ``dk`` (of ``Kn``) are per *value* head; a program takes
+the value heads of one q/k head's chunk in turn (a *unit*), sums them in fp32
+registers in a fixed order (deterministic: no atomics) and finishes the unit
+with ``chunked_backward.undo_prepare``: ``s = scale dq_sum`` (the gradient of
+``Qn``; the kernel keeps ``Qn`` in shared memory and folds the scale into the
+products instead), ``dx = r (s - Qn <Qn, s>)`` with the l2norm, ``dx = s``
+without, stored in ``dtype``.  q and k are loaded once per unit.  All GEMMs take
+``dtype`` operands with fp32 accumulation, like the forward's; row and column
+sums, the decays and the cumulative sum are fp32.
 
 Rows ``r >= n`` (tokens of the next sequence, or past the tensor) are zeros
 in every tile, and ``E`` is a select on ``j <= r < n`` (exp2 of a non-positive
@@ -43,32 +49,35 @@ from .chunk_pipeline import register_split
 
 ROLE_THREADS = 128  # one warpgroup per role: every GEMM is one wgmma row block of 64 rows
 THREADS = 3 * ROLE_THREADS  # values, state, loader
-VALUES_REGS, STATE_REGS, LOADER_REGS = register_split(232, 232, 24)
+VALUES_REGS, STATE_REGS, LOADER_REGS = register_split(240, 240, 24)
+VALUES, STATE = "values", "state"  # the math roles, in warpgroup order (the loader is the third); names, not
+# numbers: the kernel's Python loop over them would turn numbers into TIR constants
 ROLES_BARRIER = 8  # named barrier of the two math roles (TileLang's reductions take 1 and 2, its partial syncs 3+)
 
 
 def build_chunk_local_gradients(
-    num_qk_heads: int, num_v_heads: int, head_dim_k: int, head_dim_v: int, dtype: str, programs: int,
-    chunk: int = 64,
+    num_qk_heads: int, num_v_heads: int, head_dim_k: int, head_dim_v: int, dtype: str, l2norm: bool,
+    programs: int, chunk: int = 64,
 ):
     """Build the local-gradient PrimFunc for one static config: ``programs`` persistent programs (one per SM)
-    over the ``U * Hv`` (chunk, value head) items, ``U`` chunks symbolic.
+    over the ``U * Hqk`` (chunk, q/k head) units of ``Hv / Hqk`` items each, ``U`` chunks symbolic.
 
     One item's tiles take most of an SM's shared memory, so one program runs per SM;
     alone, it would load, then compute, then load again.  Here a loader warpgroup
     reloads each input tile for the program's next item as soon as both roles are
-    done with it (one slot per tile, a ``full`` and a ``free`` mbarrier each), so
-    the next item's loads run under this item's GEMMs.  Two warpgroups with a role
-    each do the math, so that their GEMM chains overlap and every row lives in one
-    warpgroup (row sums within a quad):
+    done with it (one slot per tile, a ``full`` and a ``free`` mbarrier each; q and
+    k once per unit), so the next item's loads run under this item's GEMMs.  Two
+    warpgroups with a role each do the math, so that their GEMM chains overlap and
+    every row lives in one warpgroup (row sums within a quad):
 
     * the *values* role: ``U``, ``d_qk``, ``X``'s decay term, and all of ``dk``;
     * the *state* role: ``d_w``, ``dq``, ``dv``, ``d_gated`` and the inverse's
       gradient (``dM``, ``dbeta``'s terms).
 
     They hand each other four operands through shared memory, each behind an
-    mbarrier: ``Kn``/``Qs`` (scaled in place by the values role), ``d_w``, ``d_qk``
-    and ``d_gram``; the per-row sums meet in shared memory for ``dg`` and ``dbeta``.
+    mbarrier: ``Kn``/``Qn`` (normalised by the values role in place, once per
+    unit), ``d_w``, ``d_qk`` and ``d_gram``; the per-row sums meet in shared memory
+    for ``dg`` and ``dbeta``.
     """
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
@@ -83,11 +92,12 @@ def build_chunk_local_gradients(
     num_slots = T.dynamic("NC")
 
     @T.macro
-    def row_dots(a, b, products, sums, out):
-        """``out[r] = <a[r, :], b[r, :]>`` into shared memory (``products``: fragment scratch of a's shape)."""
+    def row_dots(a, b, sums, out):
+        """``out[r] = <a[r, :], b[r, :]>`` into shared memory; ``a`` is overwritten (with ``a o b``: no
+        scratch fragment, whose registers the roles do not have)."""
         for r, d in T.Parallel(C, K):
-            products[r, d] = a[r, d] * b[r, d]
-        T.reduce_sum(products, sums, dim=1)
+            a[r, d] = a[r, d] * b[r, d]
+        T.reduce_sum(a, sums, dim=1)
         for r in T.Parallel(C):
             out[r] = sums[r]
 
@@ -122,13 +132,41 @@ def build_chunk_local_gradients(
         """``E[r, j]``: ``exp(gamma_r - gamma_j)`` on ``j <= r < n``, else 0 (a select, never inf * 0)."""
         return T.Select(j <= r and r < n, T.exp2(T.min(gamma_tile[r] - gamma_tile[j], T.float32(0))), T.float32(0))
 
-    def item_at(chunk_table, program, i):
-        """``(hv, hk, start, tokens, slot)`` of a program's ``i``-th item; value heads fastest, so that
-        neighbouring programs work on one q/k head group's items at once and share its q, k in L2."""
-        item = program + i * programs
-        hv, chunk_id = item % num_v_heads, item // num_v_heads
+    @T.macro
+    def accumulate(total, first, term):
+        """``total += term``, from zero on a unit's first item (the group sum, in item order)."""
+        if first:
+            T.clear(total)
+        for r, d in T.Parallel(C, K):
+            total[r, d] = total[r, d] + term(r, d)
+
+    @T.macro
+    def finish_input_gradient(total, rows, inverse_norm, scratch, sums, out, s, n, hk):
+        """``out = r (s - rows <rows, s>)`` per row (``rows``: the unit's normalised q or k; without the
+        l2norm ``r = 1`` and no projection): ``undo_prepare`` of the group's sum ``s = total``
+        (``scratch``: a dead fragment of its shape)."""
+        if l2norm:
+            for r, d in T.Parallel(C, K):
+                scratch[r, d] = total[r, d] * rows[r, d]
+            T.reduce_sum(scratch, sums, dim=1)
+            for r, d in T.Parallel(C, K):
+                total[r, d] = total[r, d] - rows[r, d] * sums[r]
+        for r, d in T.Parallel(C, K):
+            if r < n:
+                out[s + r, hk, d] = T.cast(inverse_norm[r] * total[r, d], dtype)
+
+    def in_role(tx, role):
+        """Whether thread ``tx`` is in math role ``role``, in the one form TileLang's thread-range analysis
+        reads for each (a bound on one side per condition)."""
+        return tx < ROLE_THREADS if role == VALUES else T.And(tx >= ROLE_THREADS, tx < 2 * ROLE_THREADS)
+
+    def unit_at(chunk_table, program, i):
+        """``(hk, start, tokens, slot)`` of a program's ``i``-th unit; q/k heads fastest, so that
+        neighbouring programs work on one chunk's heads at once."""
+        unit = program + i * programs
+        hk, chunk_id = unit % num_qk_heads, unit // num_qk_heads
         start = chunk_table[chunk_id, 0]
-        return hv, hv // group, start, chunk_table[chunk_id, 1] - start, chunk_table[chunk_id, 2]
+        return hk, start, chunk_table[chunk_id, 1] - start, chunk_table[chunk_id, 2]
 
     @T.macro
     def reload(free, full, slot, source, tile, free_phase):
@@ -154,31 +192,30 @@ def build_chunk_local_gradients(
         du: T.Tensor([num_tokens, num_v_heads, V], dtype),
         gamma: T.Tensor([num_tokens, padded_heads(num_v_heads)], accum),
         beta: T.Tensor([num_tokens, num_v_heads], accum),
-        A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
         A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),
         A_inverse: T.Tensor([num_tokens, num_v_heads, C], dtype),
         chunk_table: T.Tensor([num_chunks, 3], "int32"),
         chunk_states: T.Tensor([num_slots, num_v_heads, K, V], dtype),
         chunk_state_grads: T.Tensor([num_slots, num_v_heads, K, V], dtype),
         scale: T.float32,
-        dq: T.Tensor([num_tokens, num_v_heads, K], accum),
-        dk: T.Tensor([num_tokens, num_v_heads, K], accum),
+        dq: T.Tensor([num_tokens, num_qk_heads, K], dtype),
+        dk: T.Tensor([num_tokens, num_qk_heads, K], dtype),
         dv: T.Tensor([num_tokens, num_v_heads, V], dtype),
         dg: T.Tensor([num_tokens, num_v_heads], accum),
         dbeta: T.Tensor([num_tokens, num_v_heads], accum),
     ):
         with T.Kernel(programs, threads=THREADS) as program:
-            num_items = num_chunks * num_v_heads
-            my_items = T.ceildiv(T.max(num_items - program, 0), programs)
+            num_units = num_chunks * num_qk_heads
+            my_units = T.ceildiv(T.max(num_units - program, 0), programs)
 
             # Per-row values (fp32): gates, and the sums the two roles leave for dg and dbeta.
             gamma_tile = T.alloc_shared([C], accum)
             beta_tile = T.alloc_shared([C], accum)
-            q_scale = T.alloc_shared([C], accum)
-            k_scale = T.alloc_shared([C], accum)
+            q_scale = T.alloc_shared([C], accum)  # rq
+            k_scale = T.alloc_shared([C], accum)  # rk
             gate = T.alloc_shared([C], accum)  # G, 0 past n
             to_end = T.alloc_shared([C], accum)  # te, 0 past n
-            q_gate_sum = T.alloc_shared([C], accum)  # rowsum(Qs o dq_gated)
+            q_gate_sum = T.alloc_shared([C], accum)  # rowsum(Qn o dq_gated): Qs's is scale times it
             tail_sum = T.alloc_shared([C], accum)  # rowsum(Kn o d_tail)
             k_gate_sum = T.alloc_shared([C], accum)  # rowsum(Kn o d_k_gated)
             beta_rows = T.alloc_shared([C], accum)  # rowsum(dM o gram)
@@ -191,37 +228,37 @@ def build_chunk_local_gradients(
 
             # The input tiles, one slot each, and what the program makes from them.  The roles
             # run side by side, so no two tiles share memory.
-            q_tile = T.alloc_shared([C, K], dtype)  # Qs once scaled
-            k_tile = T.alloc_shared([C, K], dtype)  # raw K (for Kbar), then Kn
+            q_tile = T.alloc_shared([C, K], dtype)  # Qn once normalised
+            k_tile = T.alloc_shared([C, K], dtype)  # Kn once normalised
             v_tile = T.alloc_shared([C, V], dtype)
             do_tile = T.alloc_shared([C, V], dtype)
             du_tile = T.alloc_shared([C, V], dtype)
             state = T.alloc_shared([K, V], dtype)  # S
             state_grad = T.alloc_shared([K, V], dtype)  # dS'
-            a_keys = T.alloc_shared([C, C], dtype)
+            a_keys = T.alloc_shared([C, C], dtype)  # -gated diag(G) (values role)
             gated = T.alloc_shared([C, C], dtype)  # A_values
             a0 = T.alloc_shared([C, C], dtype)
             kbar_u_op = T.alloc_shared([C, K], dtype)  # Kbar, then U (values role)
             d_w_op = T.alloc_shared([C, K], dtype)
-            d_qk_op = T.alloc_shared([C, C], dtype)
+            d_qk_op = T.alloc_shared([C, C], dtype)  # scale d_qk: the gradient of Qn Kn^T
             inverse_op = T.alloc_shared([C, C], dtype)  # d_a0, A0^T d_a0, d_gram in turn (state role)
 
             # Each tile's slot: full (its TMA bytes landed), free (its readers are done with it).
-            full = T.alloc_barrier(arrive_count=[ROLE_THREADS] * 10)
-            free = T.alloc_barrier(arrive_count=[one, both, both, both, both, one, both, both, both, one])
-            A_KEYS, K_TILE, GATED, V_TILE, STATE, DU, DO, Q_TILE, STATE_GRAD, A0 = range(10)
-            keys_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)  # Kn, Qs
+            # The first seven are reloaded per item, q and k per unit.
+            full = T.alloc_barrier(arrive_count=[ROLE_THREADS] * 9)
+            free = T.alloc_barrier(arrive_count=[both, both, both, both, both, one, one, both, both])
+            STATE, DO, STATE_GRAD, V_TILE, GATED, DU, A0, Q_TILE, K_TILE = range(9)
+            keys_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)  # Kn, Qn
             d_w_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             d_qk_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             d_gram_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
 
             # Values role.
-            wide = T.alloc_fragment([C, K], accum)  # Kbar, then d_k_gated
+            wide = T.alloc_fragment([C, K], accum)  # Kbar, then U dS'^T, then d_k_gated
             u_acc = T.alloc_fragment([C, V], accum)
             d_attn = T.alloc_fragment([C, C], accum)
-            x_decay = T.alloc_fragment([C, C], accum)  # Qs Kn^T, then X_decay
-            dk_acc = T.alloc_fragment([C, K], accum)
-            values_products = T.alloc_fragment([C, K], accum)
+            x_decay = T.alloc_fragment([C, C], accum)  # Qn Kn^T, then X_decay
+            dk_sum = T.alloc_fragment([C, K], accum)  # the gradient of Kn, summed over the unit's items
             values_rows = T.alloc_fragment([C], accum)
             # State role.
             d_w_acc = T.alloc_fragment([C, K], accum)
@@ -229,239 +266,254 @@ def build_chunk_local_gradients(
             d_gated = T.alloc_fragment([C, C], accum)  # d_gated, then d_gated o A0 o E, then X_gated
             small = T.alloc_fragment([C, C], accum)  # A0^T d_a0, then dM
             gram = T.alloc_fragment([C, C], accum)
-            dq_acc = T.alloc_fragment([C, K], accum)
+            dq_gated = T.alloc_fragment([C, K], accum)  # dO S^T
+            dq_sum = T.alloc_fragment([C, K], accum)  # the gradient of Qn, summed over the unit's items
             state_products = T.alloc_fragment([K, state_cols], accum)
             state_rows = T.alloc_fragment([K], accum)
             state_part = T.alloc_fragment([K], accum)
-            state_role_products = T.alloc_fragment([C, K], accum)
             state_role_rows = T.alloc_fragment([C], accum)
 
-            # Items handled so far (padding items of the chunk table skipped): every barrier
-            # completes once per item, so this is the parity of the item's phase.
-            handled = T.alloc_var("int32", init=0)
+            # Units handled so far (padding units of the chunk table skipped): every per-item barrier
+            # completes once per item, q's and k's once per unit, so these give each phase's parity.
+            units_done = T.alloc_var("int32", init=0)
             tx = T.get_thread_binding()
-            if tx < 2 * ROLE_THREADS:
-                if tx < ROLE_THREADS:
-                    T.set_max_nreg(VALUES_REGS, 1)
-                else:
-                    T.set_max_nreg(STATE_REGS, 1)
-                for i in T.serial(my_items):
-                    hv, hk, s, n, slot = item_at(chunk_table, program, i)
-                    phase = handled % 2
-                    if n > 0:  # n == 0: a padding entry of the chunk table
-                        if tx < C:
-                            valid = tx < n
-                            gamma_tile[tx] = T.if_then_else(valid, gamma[s + tx, hv], T.float32(0))
-                            beta_tile[tx] = T.if_then_else(valid, beta[s + tx, hv], T.float32(0))
-                            q_scale[tx] = T.if_then_else(valid, q_norm[s + tx, hk] * scale, T.float32(0))
-                            k_scale[tx] = T.if_then_else(valid, k_norm[s + tx, hk], T.float32(0))
-                            gate[tx] = T.Select(valid, T.exp2(gamma[s + tx, hv]), T.float32(0))
-                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
-                        if tx < C:
-                            to_end[tx] = T.Select(tx < n, T.exp2(gamma_tile[n - 1] - gamma_tile[tx]), T.float32(0))
+            # The two math roles' item loops are built apart (a Python loop, expanded here), so that each
+            # role's registers hold only its own values: in one shared loop the compiler keeps every
+            # fragment that crosses an item live in both roles, and the unit sums did not fit.
+            for role, regs in ((VALUES, VALUES_REGS), (STATE, STATE_REGS)):
+                if in_role(tx, role):
+                    T.set_max_nreg(regs, 1)
+                    for i in T.serial(my_units):
+                        hk, s, n, slot = unit_at(chunk_table, program, i)
+                        unit_phase = units_done % 2
+                        if n > 0:  # n == 0: a padding entry of the chunk table
+                            for member in T.serial(group):
+                                hv = hk * group + member
+                                first, last = member == 0, member == group - 1
+                                phase = (units_done * group + member) % 2
+                                if tx < C:
+                                    valid = tx < n
+                                    gamma_tile[tx] = T.if_then_else(valid, gamma[s + tx, hv], T.float32(0))
+                                    beta_tile[tx] = T.if_then_else(valid, beta[s + tx, hv], T.float32(0))
+                                    q_scale[tx] = T.if_then_else(valid, q_norm[s + tx, hk], T.float32(0))
+                                    k_scale[tx] = T.if_then_else(valid, k_norm[s + tx, hk], T.float32(0))
+                                    gate[tx] = T.Select(valid, T.exp2(gamma[s + tx, hv]), T.float32(0))
+                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
+                                if tx < C:
+                                    to_end[tx] = T.Select(tx < n, T.exp2(gamma_tile[n - 1] - gamma_tile[tx]),
+                                                          T.float32(0))
 
-                        # A sequence's last chunk: rows past n are the next sequence's tokens.  Zeroed
-                        # (columns past n are zero by chunk_prep's contract), so padding adds nothing;
-                        # both roles wait for every tile first.
-                        if n < C:
-                            for t in T.unroll(10):
-                                T.barrier_wait(full[t], phase)
-                            for r, d in T.Parallel(C, K):
-                                if r >= n:
-                                    k_tile[r, d] = 0
-                                    q_tile[r, d] = 0
-                            for r, j in T.Parallel(C, V):
-                                if r >= n:
-                                    v_tile[r, j] = 0
-                                    do_tile[r, j] = 0
-                                    du_tile[r, j] = 0
-                            for r, j in T.Parallel(C, C):
-                                if r >= n:
-                                    a_keys[r, j] = 0
-                                    gated[r, j] = 0
-                                    a0[r, j] = 0
-                            T.fence_proxy_async()
-                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
+                                # A sequence's last chunk: rows past n are the next sequence's tokens.  Zeroed
+                                # (columns past n are zero by chunk_prep's contract), so padding adds nothing:
+                                # by the values role once every tile has landed (q and k once per unit); the
+                                # state role reads none before the barrier below.
+                                if role == VALUES:
+                                    if n < C:
+                                        for t in T.unroll(Q_TILE):
+                                            T.barrier_wait(full[t], phase)
+                                        T.barrier_wait(full[Q_TILE], unit_phase)
+                                        T.barrier_wait(full[K_TILE], unit_phase)
+                                        if first:
+                                            for r, d in T.Parallel(C, K):
+                                                if r >= n:
+                                                    k_tile[r, d] = 0
+                                                    q_tile[r, d] = 0
+                                        for r, j in T.Parallel(C, V):
+                                            if r >= n:
+                                                v_tile[r, j] = 0
+                                                do_tile[r, j] = 0
+                                                du_tile[r, j] = 0
+                                        for r, j in T.Parallel(C, C):
+                                            if r >= n:
+                                                gated[r, j] = 0
+                                                a0[r, j] = 0
+                                        T.fence_proxy_async()
+                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
 
-                        if tx < ROLE_THREADS:
-                            # --- Values role.  U = gated V + Kbar S, Kbar = A_keys K (raw keys: A_keys carries rk).
-                            T.barrier_wait(full[A_KEYS], phase)
-                            T.barrier_wait(full[K_TILE], phase)
-                            T.gemm(a_keys, k_tile, wide, clear_accum=True)
-                            T.barrier_arrive(free[A_KEYS])
-                            T.copy(wide, kbar_u_op)
-                            T.barrier_wait(full[GATED], phase)
-                            T.barrier_wait(full[V_TILE], phase)
-                            T.gemm(gated, v_tile, u_acc, clear_accum=True)
-                            T.barrier_arrive(free[V_TILE])
-                            T.barrier_wait(full[STATE], phase)
-                            T.gemm(kbar_u_op, state, u_acc)
-                            T.barrier_arrive(free[STATE])
+                                if role == VALUES:
+                                    # --- Values role.  U = gated V + Kbar S, Kbar = (-gated diag(G)) Kn.
+                                    T.barrier_wait(full[GATED], phase)
+                                    for r, j in T.Parallel(C, C):
+                                        a_keys[r, j] = T.cast(-gated[r, j] * gate[j], dtype)
+                                    # Q -> Qn and K -> Kn in place, for both roles and the unit's items.
+                                    T.barrier_wait(full[Q_TILE], unit_phase)
+                                    T.barrier_wait(full[K_TILE], unit_phase)
+                                    if first:
+                                        for r, d in T.Parallel(C, K):
+                                            q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)
+                                        for r, d in T.Parallel(C, K):
+                                            k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)
+                                    hand_over(keys_ready)
+                                    T.gemm(a_keys, k_tile, wide, clear_accum=True)
+                                    T.copy(wide, kbar_u_op)
+                                    T.barrier_wait(full[V_TILE], phase)
+                                    T.gemm(gated, v_tile, u_acc, clear_accum=True)
+                                    T.barrier_arrive(free[V_TILE])
+                                    T.barrier_wait(full[STATE], phase)
+                                    T.gemm(kbar_u_op, state, u_acc)
+                                    T.barrier_arrive(free[STATE])
+                                    T.copy(u_acc, kbar_u_op)  # Kbar's GEMM is done: the tile holds U from here
 
-                            # Q -> Qs and K -> Kn in place, for both roles.
-                            T.barrier_wait(full[Q_TILE], phase)
-                            for r, d in T.Parallel(C, K):
-                                q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)
-                            for r, d in T.Parallel(C, K):
-                                k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)
-                            hand_over(keys_ready)
-                            T.copy(u_acc, kbar_u_op)  # Kbar's GEMM is done: the tile holds U from here
+                                    # dk = diag(te) U dS'^T + d_qk^T Qs + diag(G) gated^T d_w + (d_gram + d_gram^T) Kn,
+                                    # added to the unit's sum term by term (the first before the attention products,
+                                    # so that the sum and the products' fragments are not live at once).
+                                    T.barrier_wait(full[STATE_GRAD], phase)
+                                    T.gemm(kbar_u_op, state_grad, wide, transpose_B=True, clear_accum=True)
+                                    T.barrier_arrive(free[STATE_GRAD])
+                                    accumulate(dk_sum, first, lambda r, d: to_end[r] * wide[r, d])
+                                    row_dots(wide, k_tile, values_rows, tail_sum)
 
-                            # The attention products: d_qk = (dO U^T) o E, X_decay = (dO U^T) o (Qs Kn^T) o E.
-                            T.barrier_wait(full[DO], phase)
-                            T.gemm(do_tile, kbar_u_op, d_attn, transpose_B=True, clear_accum=True)
-                            T.barrier_arrive(free[DO])
-                            T.gemm(q_tile, k_tile, x_decay, transpose_B=True, clear_accum=True)
-                            for r, j in T.Parallel(C, C):
-                                e = decay(gamma_tile, r, j, n)
-                                d_qk_op[r, j] = T.cast(d_attn[r, j] * e, dtype)
-                                x_decay[r, j] = d_attn[r, j] * x_decay[r, j] * e
-                            hand_over(d_qk_ready)
-                            row_sums(x_decay, values_rows, decay_rows)
+                                    # The attention products (Qs Kn^T = scale Qn Kn^T):
+                                    # d_qk = (dO U^T) o E, X_decay = (dO U^T) o (Qs Kn^T) o E.
+                                    T.barrier_wait(full[DO], phase)
+                                    T.gemm(do_tile, kbar_u_op, d_attn, transpose_B=True, clear_accum=True)
+                                    T.barrier_arrive(free[DO])
+                                    T.gemm(q_tile, k_tile, x_decay, transpose_B=True, clear_accum=True)
+                                    for r, j in T.Parallel(C, C):
+                                        e = decay(gamma_tile, r, j, n) * scale
+                                        d_qk_op[r, j] = T.cast(d_attn[r, j] * e, dtype)
+                                        x_decay[r, j] = d_attn[r, j] * x_decay[r, j] * e
+                                    hand_over(d_qk_ready)
+                                    row_sums(x_decay, values_rows, decay_rows)
+                                    column_sums(x_decay, T.view(kbar_u_op, [C, C], accum), decay_cols, tx)  # U is dead
+                                    T.gemm(d_qk_op, q_tile, dk_sum, transpose_A=True)
+                                    T.barrier_wait(d_w_ready, phase)
+                                    T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)  # d_k_gated
+                                    T.barrier_arrive(free[GATED])
+                                    for r, d in T.Parallel(C, K):
+                                        dk_sum[r, d] = dk_sum[r, d] + gate[r] * wide[r, d]
+                                    row_dots(wide, k_tile, values_rows, k_gate_sum)
+                                    T.barrier_wait(d_gram_ready, phase)
+                                    T.gemm(inverse_op, k_tile, dk_sum)
+                                    T.gemm(inverse_op, k_tile, dk_sum, transpose_A=True)
+                                    if last:
+                                        finish_input_gradient(dk_sum, k_tile, k_scale, wide, values_rows,
+                                                              dk, s, n, hk)
+                                        T.barrier_arrive(free[Q_TILE])
+                                        T.barrier_arrive(free[K_TILE])
+                                else:
+                                    # --- State role.  d_w = -dU S^T; dq's first term dO S^T.
+                                    T.barrier_wait(full[DU], phase)
+                                    T.barrier_wait(full[STATE], phase)
+                                    T.gemm(du_tile, state, d_w_acc, transpose_B=True, clear_accum=True)
+                                    for r, d in T.Parallel(C, K):
+                                        d_w_op[r, d] = T.cast(-d_w_acc[r, d], dtype)
+                                    hand_over(d_w_ready)
+                                    T.barrier_wait(full[DO], phase)
+                                    T.gemm(do_tile, state, dq_gated, transpose_B=True, clear_accum=True)
+                                    T.barrier_arrive(free[DO])
 
-                            # dk = diag(te) U dS'^T + d_qk^T Qs + diag(G) gated^T d_w + (d_gram + d_gram^T) Kn.
-                            T.barrier_wait(full[STATE_GRAD], phase)
-                            T.gemm(kbar_u_op, state_grad, dk_acc, transpose_B=True, clear_accum=True)
-                            T.barrier_arrive(free[STATE_GRAD])
-                            row_dots(dk_acc, k_tile, values_products, values_rows, tail_sum)
-                            for r, d in T.Parallel(C, K):
-                                dk_acc[r, d] = dk_acc[r, d] * to_end[r]
-                            T.gemm(d_qk_op, q_tile, dk_acc, transpose_A=True)
-                            T.barrier_arrive(free[Q_TILE])
-                            column_sums(x_decay, T.view(kbar_u_op, [C, C], accum), decay_cols, tx)  # U is dead
-                            T.barrier_wait(d_w_ready, phase)
-                            T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)  # d_k_gated
-                            T.barrier_arrive(free[GATED])
-                            row_dots(wide, k_tile, values_products, values_rows, k_gate_sum)
-                            for r, d in T.Parallel(C, K):
-                                dk_acc[r, d] = dk_acc[r, d] + gate[r] * wide[r, d]
-                            T.barrier_wait(d_gram_ready, phase)
-                            T.gemm(inverse_op, k_tile, dk_acc)
-                            T.gemm(inverse_op, k_tile, dk_acc, transpose_A=True)
-                            T.barrier_arrive(free[K_TILE])
-                            for r, d in T.Parallel(C, K):
-                                if r < n:
-                                    dk[s + r, hv, d] = dk_acc[r, d]
-                        else:
-                            # --- State role.  d_w = -dU S^T; dq's first term dO S^T.
-                            T.barrier_wait(full[DU], phase)
-                            T.barrier_wait(full[STATE], phase)
-                            T.gemm(du_tile, state, d_w_acc, transpose_B=True, clear_accum=True)
-                            for r, d in T.Parallel(C, K):
-                                d_w_op[r, d] = T.cast(-d_w_acc[r, d], dtype)
-                            hand_over(d_w_ready)
-                            T.barrier_wait(full[DO], phase)
-                            T.gemm(do_tile, state, dq_acc, transpose_B=True, clear_accum=True)
-                            T.barrier_arrive(free[DO])
+                                    # <S, dS'>, a column block at a time.
+                                    T.barrier_wait(full[STATE_GRAD], phase)
+                                    T.clear(state_rows)
+                                    for block in T.serial(V // state_cols):
+                                        for d, j in T.Parallel(K, state_cols):
+                                            state_products[d, j] = (T.cast(state[d, block * state_cols + j], accum)
+                                                                    * T.cast(state_grad[d, block * state_cols + j], accum))
+                                        T.reduce_sum(state_products, state_part, dim=1)
+                                        for d in T.Parallel(K):
+                                            state_rows[d] = state_rows[d] + state_part[d]
+                                    T.barrier_arrive(free[STATE])
+                                    T.barrier_arrive(free[STATE_GRAD])
+                                    for d in T.Parallel(K):
+                                        state_dot[d] = state_rows[d]
+                                    # dq's first term, into the unit's sum (the gradient of Qn: scale times Qs's).
+                                    T.barrier_wait(keys_ready, phase)
+                                    accumulate(dq_sum, first, lambda r, d: gate[r] * scale * dq_gated[r, d])
+                                    row_dots(dq_gated, q_tile, state_role_rows, q_gate_sum)
 
-                            # <S, dS'>, a column block at a time.
-                            T.barrier_wait(full[STATE_GRAD], phase)
-                            T.clear(state_rows)
-                            for block in T.serial(V // state_cols):
-                                for d, j in T.Parallel(K, state_cols):
-                                    state_products[d, j] = (T.cast(state[d, block * state_cols + j], accum)
-                                                            * T.cast(state_grad[d, block * state_cols + j], accum))
-                                T.reduce_sum(state_products, state_part, dim=1)
-                                for d in T.Parallel(K):
-                                    state_rows[d] = state_rows[d] + state_part[d]
-                            T.barrier_arrive(free[STATE])
-                            T.barrier_arrive(free[STATE_GRAD])
-                            for d in T.Parallel(K):
-                                state_dot[d] = state_rows[d]
+                                    # dv = gated^T dU; d_gated = dU V^T + d_w (diag(G) Kn)^T, the gate scaling
+                                    # d_w Kn^T's columns.
+                                    T.barrier_wait(full[GATED], phase)
+                                    T.gemm(gated, du_tile, dv_acc, transpose_A=True, clear_accum=True)
+                                    T.barrier_arrive(free[GATED])
+                                    for r, j in T.Parallel(C, V):
+                                        if r < n:
+                                            dv[s + r, hv, j] = T.cast(dv_acc[r, j], dtype)
+                                    T.gemm(d_w_op, k_tile, d_gated, transpose_B=True, clear_accum=True)
+                                    for r, j in T.Parallel(C, C):
+                                        d_gated[r, j] = d_gated[r, j] * gate[j]
+                                    T.barrier_wait(full[V_TILE], phase)
+                                    T.gemm(du_tile, v_tile, d_gated, transpose_B=True)
+                                    T.barrier_arrive(free[V_TILE])
 
-                            # dv = gated^T dU; d_gated = dU V^T + d_w (diag(G) Kn)^T, the gate scaling
-                            # d_w Kn^T's columns.
-                            T.barrier_wait(full[GATED], phase)
-                            T.gemm(gated, du_tile, dv_acc, transpose_A=True, clear_accum=True)
-                            T.barrier_arrive(free[GATED])
-                            for r, j in T.Parallel(C, V):
-                                if r < n:
-                                    dv[s + r, hv, j] = T.cast(dv_acc[r, j], dtype)
-                            T.barrier_wait(keys_ready, phase)
-                            T.gemm(d_w_op, k_tile, d_gated, transpose_B=True, clear_accum=True)
-                            for r, j in T.Parallel(C, C):
-                                d_gated[r, j] = d_gated[r, j] * gate[j]
-                            T.barrier_wait(full[V_TILE], phase)
-                            T.gemm(du_tile, v_tile, d_gated, transpose_B=True)
-                            T.barrier_arrive(free[V_TILE])
+                                    # Through the inverse: d_a0 = d_gated o E diag(beta); X_gated = d_gated o A0 o E diag(beta).
+                                    T.barrier_wait(full[A0], phase)
+                                    for r, j in T.Parallel(C, C):
+                                        e = decay(gamma_tile, r, j, n)
+                                        inverse_op[r, j] = T.cast(d_gated[r, j] * e * beta_tile[j], dtype)
+                                        d_gated[r, j] = d_gated[r, j] * a0[r, j] * e
+                                    column_sums(d_gated, T.view(du_tile, [C, C], accum), gated_cols, tx - ROLE_THREADS)
+                                    T.barrier_arrive(free[DU])  # its tile held the sums' staging
+                                    for r, j in T.Parallel(C, C):
+                                        d_gated[r, j] = d_gated[r, j] * beta_tile[j]
+                                    row_sums(d_gated, state_role_rows, gated_rows)
+                                    T.gemm(a0, inverse_op, small, transpose_A=True, clear_accum=True)
+                                    T.copy(small, inverse_op)  # A0^T d_a0
+                                    T.gemm(inverse_op, a0, small, transpose_B=True, clear_accum=True)
+                                    T.barrier_arrive(free[A0])
+                                    for r, j in T.Parallel(C, C):
+                                        small[r, j] = T.Select(j < r and r < n, -small[r, j], T.float32(0))  # dM
+                                    for r, j in T.Parallel(C, C):
+                                        inverse_op[r, j] = T.cast(beta_tile[r] * small[r, j], dtype)  # d_gram = diag(beta) dM
+                                    hand_over(d_gram_ready)
+                                    # dbeta's second term: rowsum(dM o Kn Kn^T).
+                                    T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
+                                    for r, j in T.Parallel(C, C):
+                                        gram[r, j] = gram[r, j] * small[r, j]
+                                    row_sums(gram, state_role_rows, beta_rows)
 
-                            # Through the inverse: d_a0 = d_gated o E diag(beta); X_gated = d_gated o A0 o E diag(beta).
-                            T.barrier_wait(full[A0], phase)
-                            for r, j in T.Parallel(C, C):
-                                e = decay(gamma_tile, r, j, n)
-                                inverse_op[r, j] = T.cast(d_gated[r, j] * e * beta_tile[j], dtype)
-                                d_gated[r, j] = d_gated[r, j] * a0[r, j] * e
-                            column_sums(d_gated, T.view(du_tile, [C, C], accum), gated_cols, tx - ROLE_THREADS)
-                            T.barrier_arrive(free[DU])  # its tile held the sums' staging
-                            for r, j in T.Parallel(C, C):
-                                d_gated[r, j] = d_gated[r, j] * beta_tile[j]
-                            row_sums(d_gated, state_role_rows, gated_rows)
-                            T.gemm(a0, inverse_op, small, transpose_A=True, clear_accum=True)
-                            T.copy(small, inverse_op)  # A0^T d_a0
-                            T.gemm(inverse_op, a0, small, transpose_B=True, clear_accum=True)
-                            T.barrier_arrive(free[A0])
-                            for r, j in T.Parallel(C, C):
-                                small[r, j] = T.Select(j < r and r < n, -small[r, j], T.float32(0))  # dM
-                            for r, j in T.Parallel(C, C):
-                                inverse_op[r, j] = T.cast(beta_tile[r] * small[r, j], dtype)  # d_gram = diag(beta) dM
-                            hand_over(d_gram_ready)
-                            # dbeta's second term: rowsum(dM o Kn Kn^T).
-                            T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
-                            for r, j in T.Parallel(C, C):
-                                gram[r, j] = gram[r, j] * small[r, j]
-                            row_sums(gram, state_role_rows, beta_rows)
+                                    # dq's second term, d_qk Kn (the scale in d_qk_op).
+                                    T.barrier_wait(d_qk_ready, phase)
+                                    T.gemm(d_qk_op, k_tile, dq_sum)
+                                    if last:
+                                        finish_input_gradient(dq_sum, q_tile, q_scale, dq_gated,
+                                                              state_role_rows, dq, s, n, hk)
+                                        T.barrier_arrive(free[Q_TILE])
+                                        T.barrier_arrive(free[K_TILE])
 
-                            # dq = diag(G) dO S^T + d_qk Kn.
-                            row_dots(dq_acc, q_tile, state_role_products, state_role_rows, q_gate_sum)
-                            T.barrier_arrive(free[Q_TILE])
-                            for r, d in T.Parallel(C, K):
-                                dq_acc[r, d] = dq_acc[r, d] * gate[r]
-                            T.barrier_wait(d_qk_ready, phase)
-                            T.gemm(d_qk_op, k_tile, dq_acc)
-                            T.barrier_arrive(free[K_TILE])
-                            for r, d in T.Parallel(C, K):
-                                if r < n:
-                                    dq[s + r, hv, d] = dq_acc[r, d]
-
-                        # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last), and gamma_last enters through
-                        # every te (cancelling d_gamma's te terms for r' >= r) and through the chunk's decay
-                        # exp(gamma_last) S:  dg_r = sum_j (j >= r ? head_j : tail_j) + exp(gamma_last) <S, dS'>,
-                        # head_j = G_j (q_gate_sum_j + k_gate_sum_j) + rowsum(X)_j - colsum(X)_j and
-                        # tail_j = te_j tail_sum_j (0 past n).  <S, dS'> is split over the 64 j and added to
-                        # both, so that the one picked carries it.  In place: thread j reads only its own j.
-                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
-                        if tx < C:
-                            dot = T.exp2(gamma_tile[n - 1]) * (state_dot[tx] + state_dot[tx + C])
-                            dbeta_row = gated_cols[tx] + beta_rows[tx]
-                            q_gate_sum[tx] = T.Select(tx < n, gate[tx] * (q_gate_sum[tx] + k_gate_sum[tx])
-                                                      + decay_rows[tx] + gated_rows[tx] - decay_cols[tx]
-                                                      - beta_tile[tx] * gated_cols[tx], T.float32(0)) + dot
-                            tail_sum[tx] = T.Select(tx < n, to_end[tx] * tail_sum[tx], T.float32(0)) + dot
-                            if tx < n:
-                                dbeta[s + tx, hv] = dbeta_row
-                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
-                        if tx < n:
-                            dg[s + tx, hv] = serial_sum(lambda j: T.Select(j >= tx, q_gate_sum[j], tail_sum[j]), C)
-                        T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)  # before the next item's row values
-                        handled = handled + 1
-            else:
+                                # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last), and gamma_last enters through
+                                # every te (cancelling d_gamma's te terms for r' >= r) and through the chunk's decay
+                                # exp(gamma_last) S:  dg_r = sum_j (j >= r ? head_j : tail_j) + exp(gamma_last) <S, dS'>,
+                                # head_j = G_j (scale q_gate_sum_j + k_gate_sum_j) + rowsum(X)_j - colsum(X)_j and
+                                # tail_j = te_j tail_sum_j (0 past n).  <S, dS'> is split over the 64 j and added to
+                                # both, so that the one picked carries it.  In place: thread j reads only its own j.
+                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
+                                if tx < C:
+                                    dot = T.exp2(gamma_tile[n - 1]) * (state_dot[tx] + state_dot[tx + C])
+                                    dbeta_row = gated_cols[tx] + beta_rows[tx]
+                                    q_gate_sum[tx] = T.Select(tx < n, gate[tx] * (scale * q_gate_sum[tx] + k_gate_sum[tx])
+                                                              + decay_rows[tx] + gated_rows[tx] - decay_cols[tx]
+                                                              - beta_tile[tx] * gated_cols[tx], T.float32(0)) + dot
+                                    tail_sum[tx] = T.Select(tx < n, to_end[tx] * tail_sum[tx], T.float32(0)) + dot
+                                    if tx < n:
+                                        dbeta[s + tx, hv] = dbeta_row
+                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
+                                if tx < n:
+                                    dg[s + tx, hv] = serial_sum(lambda j: T.Select(j >= tx, q_gate_sum[j], tail_sum[j]), C)
+                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)  # before the next item's row values
+                            units_done = units_done + 1
+            if tx >= 2 * ROLE_THREADS:
                 # --- Loader: each tile of the program's next item as soon as its slot is free, in the
-                # order the slots free up (rows past the tensor arrive as zeros).
+                # order the slots free up (rows past the tensor arrive as zeros); q and k once per unit.
                 T.set_max_nreg(LOADER_REGS, 0)
-                for i in T.serial(my_items):
-                    hv, hk, s, n, slot = item_at(chunk_table, program, i)
-                    free_phase = handled % 2 ^ 1  # a fresh barrier counts as freed
+                for i in T.serial(my_units):
+                    hk, s, n, slot = unit_at(chunk_table, program, i)
                     if n > 0:
-                        reload(free, full, A_KEYS, A_keys[s : s + C, hv, :], a_keys, free_phase)
-                        reload(free, full, STATE, chunk_states[slot, hv, :, :], state, free_phase)
-                        reload(free, full, DO, do[s : s + C, hv, :], do_tile, free_phase)
-                        reload(free, full, STATE_GRAD, chunk_state_grads[slot, hv, :, :], state_grad, free_phase)
-                        reload(free, full, V_TILE, v[s : s + C, hv, :], v_tile, free_phase)
-                        reload(free, full, DU, du[s : s + C, hv, :], du_tile, free_phase)
-                        reload(free, full, A0, A_inverse[s : s + C, hv, :], a0, free_phase)
-                        reload(free, full, GATED, A_values[s : s + C, hv, :], gated, free_phase)
-                        reload(free, full, Q_TILE, q[s : s + C, hk, :], q_tile, free_phase)
-                        reload(free, full, K_TILE, k[s : s + C, hk, :], k_tile, free_phase)
-                        handled = handled + 1
+                        for member in T.serial(group):
+                            hv = hk * group + member
+                            free_phase = (units_done * group + member) % 2 ^ 1  # a fresh barrier counts as freed
+                            reload(free, full, STATE, chunk_states[slot, hv, :, :], state, free_phase)
+                            reload(free, full, DO, do[s : s + C, hv, :], do_tile, free_phase)
+                            reload(free, full, STATE_GRAD, chunk_state_grads[slot, hv, :, :], state_grad, free_phase)
+                            reload(free, full, V_TILE, v[s : s + C, hv, :], v_tile, free_phase)
+                            reload(free, full, GATED, A_values[s : s + C, hv, :], gated, free_phase)
+                            reload(free, full, DU, du[s : s + C, hv, :], du_tile, free_phase)
+                            reload(free, full, A0, A_inverse[s : s + C, hv, :], a0, free_phase)
+                            if member == 0:
+                                unit_free_phase = units_done % 2 ^ 1
+                                reload(free, full, Q_TILE, q[s : s + C, hk, :], q_tile, unit_free_phase)
+                                reload(free, full, K_TILE, k[s : s + C, hk, :], k_tile, unit_free_phase)
+                        units_done = units_done + 1
 
     return chunk_local_gradients
