@@ -170,6 +170,9 @@ def test_chunk_local_gradients_compile(hqk, hv, dtype, l2norm):
     assert 150 * 1024 < shared_memory_used(source) < SMEM_PER_BLOCK
     # Persistent: 132 programs of three warpgroups, the loader's registers handed to the math roles.
     assert "__launch_bounds__(384, 1)" in source and "warpgroup_reg_dealloc<24>" in source
+    # One block-wide sync, after the mbarriers' initialisation: TileLang inserts another between two
+    # top-level branches it cannot prove exclusive, which would hold the loader behind the math roles.
+    assert source.count("__syncthreads()") == 1
     # TileLang's reductions across warps sync on named barriers 1 and 2 for any 128 threads: two roles
     # running them at once would complete each other's barriers.  The kernel sums columns without them.
     assert "AllReduce<tl::SumOp, 128" not in source

@@ -52,7 +52,7 @@ THREADS = 3 * ROLE_THREADS  # values, state, loader
 VALUES_REGS, STATE_REGS, LOADER_REGS = register_split(240, 240, 24)
 VALUES, STATE = "values", "state"  # the math roles, in warpgroup order (the loader is the third); names, not
 # numbers: the kernel's Python loop over them would turn numbers into TIR constants
-ROLES_BARRIER = 8  # named barrier of the two math roles (TileLang's reductions take 1 and 2, its partial syncs 3+)
+VALUES_BARRIER = 8  # named barrier of the values role's own steps (TileLang's reductions take 1 and 2, its syncs 3+)
 
 
 def build_chunk_local_gradients(
@@ -252,6 +252,11 @@ def build_chunk_local_gradients(
             d_w_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             d_qk_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             d_gram_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
+            # Per item: the row values and the padding's zeros (values role), and the state role's row sums.
+            # mbarriers, not a named barrier of both roles: the roles run separate loops (below), and the
+            # sanitizers take a named barrier reached from two places for a divergent one.
+            rows_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
+            sums_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
 
             # Values role.
             wide = T.alloc_fragment([C, K], accum)  # Kbar, then U dS'^T, then d_k_gated
@@ -280,220 +285,221 @@ def build_chunk_local_gradients(
             # The two math roles' item loops are built apart (a Python loop, expanded here), so that each
             # role's registers hold only its own values: in one shared loop the compiler keeps every
             # fragment that crosses an item live in both roles, and the unit sums did not fit.
-            for role, regs in ((VALUES, VALUES_REGS), (STATE, STATE_REGS)):
-                if in_role(tx, role):
-                    T.set_max_nreg(regs, 1)
-                    for i in T.serial(my_units):
-                        hk, s, n, slot = unit_at(chunk_table, program, i)
-                        unit_phase = units_done % 2
-                        if n > 0:  # n == 0: a padding entry of the chunk table
-                            for member in T.serial(group):
-                                hv = hk * group + member
-                                first, last = member == 0, member == group - 1
-                                phase = (units_done * group + member) % 2
-                                if tx < C:
-                                    valid = tx < n
-                                    gamma_tile[tx] = T.if_then_else(valid, gamma[s + tx, hv], T.float32(0))
-                                    beta_tile[tx] = T.if_then_else(valid, beta[s + tx, hv], T.float32(0))
-                                    q_scale[tx] = T.if_then_else(valid, q_norm[s + tx, hk], T.float32(0))
-                                    k_scale[tx] = T.if_then_else(valid, k_norm[s + tx, hk], T.float32(0))
-                                    gate[tx] = T.Select(valid, T.exp2(gamma[s + tx, hv]), T.float32(0))
-                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
-                                if tx < C:
-                                    to_end[tx] = T.Select(tx < n, T.exp2(gamma_tile[n - 1] - gamma_tile[tx]),
-                                                          T.float32(0))
+            if tx < 2 * ROLE_THREADS:
+                for role, regs in ((VALUES, VALUES_REGS), (STATE, STATE_REGS)):
+                    if in_role(tx, role):
+                        T.set_max_nreg(regs, 1)
+                        for i in T.serial(my_units):
+                            hk, s, n, slot = unit_at(chunk_table, program, i)
+                            unit_phase = units_done % 2
+                            if n > 0:  # n == 0: a padding entry of the chunk table
+                                for member in T.serial(group):
+                                    hv = hk * group + member
+                                    first, last = member == 0, member == group - 1
+                                    phase = (units_done * group + member) % 2
+                                    if role == VALUES:
+                                        # Per-row values, for both roles (handed over by rows_ready).
+                                        if tx < C:
+                                            valid = tx < n
+                                            gamma_tile[tx] = T.if_then_else(valid, gamma[s + tx, hv], T.float32(0))
+                                            beta_tile[tx] = T.if_then_else(valid, beta[s + tx, hv], T.float32(0))
+                                            q_scale[tx] = T.if_then_else(valid, q_norm[s + tx, hk], T.float32(0))
+                                            k_scale[tx] = T.if_then_else(valid, k_norm[s + tx, hk], T.float32(0))
+                                            gate[tx] = T.Select(valid, T.exp2(gamma[s + tx, hv]), T.float32(0))
+                                        T.sync_threads(VALUES_BARRIER, ROLE_THREADS)
+                                        if tx < C:
+                                            to_end[tx] = T.Select(tx < n, T.exp2(gamma_tile[n - 1] - gamma_tile[tx]),
+                                                                  T.float32(0))
 
-                                # A sequence's last chunk: rows past n are the next sequence's tokens.  Zeroed
-                                # (columns past n are zero by chunk_prep's contract), so padding adds nothing:
-                                # by the values role once every tile has landed (q and k once per unit); the
-                                # state role reads none before the barrier below.
-                                if role == VALUES:
-                                    if n < C:
-                                        for t in T.unroll(Q_TILE):
-                                            T.barrier_wait(full[t], phase)
+                                        # A sequence's last chunk: rows past n are the next sequence's tokens.  Zeroed
+                                        # once every tile has landed (q and k once per unit; columns past n are zero
+                                        # by chunk_prep's contract), so padding adds nothing.
+                                        if n < C:
+                                            for t in T.unroll(Q_TILE):
+                                                T.barrier_wait(full[t], phase)
+                                            T.barrier_wait(full[Q_TILE], unit_phase)
+                                            T.barrier_wait(full[K_TILE], unit_phase)
+                                            if first:
+                                                for r, d in T.Parallel(C, K):
+                                                    if r >= n:
+                                                        k_tile[r, d] = 0
+                                                        q_tile[r, d] = 0
+                                            for r, j in T.Parallel(C, V):
+                                                if r >= n:
+                                                    v_tile[r, j] = 0
+                                                    do_tile[r, j] = 0
+                                                    du_tile[r, j] = 0
+                                            for r, j in T.Parallel(C, C):
+                                                if r >= n:
+                                                    gated[r, j] = 0
+                                                    a0[r, j] = 0
+                                        T.sync_threads(VALUES_BARRIER, ROLE_THREADS)
+                                        hand_over(rows_ready)
+
+                                        # --- Values role.  U = gated V + Kbar S, Kbar = (-gated diag(G)) Kn.
+                                        T.barrier_wait(full[GATED], phase)
+                                        for r, j in T.Parallel(C, C):
+                                            a_keys[r, j] = T.cast(-gated[r, j] * gate[j], dtype)
+                                        # Q -> Qn and K -> Kn in place, for both roles and the unit's items.
                                         T.barrier_wait(full[Q_TILE], unit_phase)
                                         T.barrier_wait(full[K_TILE], unit_phase)
                                         if first:
                                             for r, d in T.Parallel(C, K):
-                                                if r >= n:
-                                                    k_tile[r, d] = 0
-                                                    q_tile[r, d] = 0
-                                        for r, j in T.Parallel(C, V):
-                                            if r >= n:
-                                                v_tile[r, j] = 0
-                                                do_tile[r, j] = 0
-                                                du_tile[r, j] = 0
+                                                q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)
+                                            for r, d in T.Parallel(C, K):
+                                                k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)
+                                        hand_over(keys_ready)
+                                        T.gemm(a_keys, k_tile, wide, clear_accum=True)
+                                        T.copy(wide, kbar_u_op)
+                                        T.barrier_wait(full[V_TILE], phase)
+                                        T.gemm(gated, v_tile, u_acc, clear_accum=True)
+                                        T.barrier_arrive(free[V_TILE])
+                                        T.barrier_wait(full[STATE], phase)
+                                        T.gemm(kbar_u_op, state, u_acc)
+                                        T.barrier_arrive(free[STATE])
+                                        T.copy(u_acc, kbar_u_op)  # Kbar's GEMM is done: the tile holds U from here
+
+                                        # dk = diag(te) U dS'^T + d_qk^T Qs + diag(G) gated^T d_w + (d_gram + d_gram^T) Kn,
+                                        # added to the unit's sum term by term (the first before the attention products,
+                                        # so that the sum and the products' fragments are not live at once).
+                                        T.barrier_wait(full[STATE_GRAD], phase)
+                                        T.gemm(kbar_u_op, state_grad, wide, transpose_B=True, clear_accum=True)
+                                        T.barrier_arrive(free[STATE_GRAD])
+                                        accumulate(dk_sum, first, lambda r, d: to_end[r] * wide[r, d])
+                                        row_dots(wide, k_tile, values_rows, tail_sum)
+
+                                        # The attention products (Qs Kn^T = scale Qn Kn^T):
+                                        # d_qk = (dO U^T) o E, X_decay = (dO U^T) o (Qs Kn^T) o E.
+                                        T.barrier_wait(full[DO], phase)
+                                        T.gemm(do_tile, kbar_u_op, d_attn, transpose_B=True, clear_accum=True)
+                                        T.barrier_arrive(free[DO])
+                                        T.gemm(q_tile, k_tile, x_decay, transpose_B=True, clear_accum=True)
                                         for r, j in T.Parallel(C, C):
-                                            if r >= n:
-                                                gated[r, j] = 0
-                                                a0[r, j] = 0
-                                        T.fence_proxy_async()
-                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
-
-                                if role == VALUES:
-                                    # --- Values role.  U = gated V + Kbar S, Kbar = (-gated diag(G)) Kn.
-                                    T.barrier_wait(full[GATED], phase)
-                                    for r, j in T.Parallel(C, C):
-                                        a_keys[r, j] = T.cast(-gated[r, j] * gate[j], dtype)
-                                    # Q -> Qn and K -> Kn in place, for both roles and the unit's items.
-                                    T.barrier_wait(full[Q_TILE], unit_phase)
-                                    T.barrier_wait(full[K_TILE], unit_phase)
-                                    if first:
+                                            e = decay(gamma_tile, r, j, n) * scale
+                                            d_qk_op[r, j] = T.cast(d_attn[r, j] * e, dtype)
+                                            x_decay[r, j] = d_attn[r, j] * x_decay[r, j] * e
+                                        hand_over(d_qk_ready)
+                                        row_sums(x_decay, values_rows, decay_rows)
+                                        column_sums(x_decay, T.view(kbar_u_op, [C, C], accum), decay_cols, tx)  # U is dead
+                                        T.gemm(d_qk_op, q_tile, dk_sum, transpose_A=True)
+                                        T.barrier_wait(d_w_ready, phase)
+                                        T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)  # d_k_gated
+                                        T.barrier_arrive(free[GATED])
                                         for r, d in T.Parallel(C, K):
-                                            q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)
+                                            dk_sum[r, d] = dk_sum[r, d] + gate[r] * wide[r, d]
+                                        row_dots(wide, k_tile, values_rows, k_gate_sum)
+                                        T.barrier_wait(d_gram_ready, phase)
+                                        T.gemm(inverse_op, k_tile, dk_sum)
+                                        T.gemm(inverse_op, k_tile, dk_sum, transpose_A=True)
+                                        if last:
+                                            finish_input_gradient(dk_sum, k_tile, k_scale, wide, values_rows,
+                                                                  dk, s, n, hk)
+                                            T.barrier_arrive(free[Q_TILE])
+                                            T.barrier_arrive(free[K_TILE])
+
+                                        # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last), and gamma_last enters through
+                                        # every te (cancelling d_gamma's te terms for r' >= r) and through the chunk's decay
+                                        # exp(gamma_last) S:  dg_r = sum_j (j >= r ? head_j : tail_j) + exp(gamma_last) <S, dS'>,
+                                        # head_j = G_j (scale q_gate_sum_j + k_gate_sum_j) + rowsum(X)_j - colsum(X)_j and
+                                        # tail_j = te_j tail_sum_j (0 past n).  <S, dS'> is split over the 64 j and added to
+                                        # both, so that the one picked carries it.  In place: thread j reads only its own j.
+                                        T.barrier_wait(sums_ready, phase)
+                                        if tx < C:
+                                            dot = T.exp2(gamma_tile[n - 1]) * (state_dot[tx] + state_dot[tx + C])
+                                            dbeta_row = gated_cols[tx] + beta_rows[tx]
+                                            q_gate_sum[tx] = T.Select(tx < n, gate[tx] * (scale * q_gate_sum[tx] + k_gate_sum[tx])
+                                                                      + decay_rows[tx] + gated_rows[tx] - decay_cols[tx]
+                                                                      - beta_tile[tx] * gated_cols[tx], T.float32(0)) + dot
+                                            tail_sum[tx] = T.Select(tx < n, to_end[tx] * tail_sum[tx], T.float32(0)) + dot
+                                            if tx < n:
+                                                dbeta[s + tx, hv] = dbeta_row
+                                        T.sync_threads(VALUES_BARRIER, ROLE_THREADS)
+                                        if tx < n:
+                                            dg[s + tx, hv] = serial_sum(lambda j: T.Select(j >= tx, q_gate_sum[j], tail_sum[j]), C)
+                                    else:
+                                        T.barrier_wait(rows_ready, phase)
+                                        # --- State role.  d_w = -dU S^T; dq's first term dO S^T.
+                                        T.barrier_wait(full[DU], phase)
+                                        T.barrier_wait(full[STATE], phase)
+                                        T.gemm(du_tile, state, d_w_acc, transpose_B=True, clear_accum=True)
                                         for r, d in T.Parallel(C, K):
-                                            k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)
-                                    hand_over(keys_ready)
-                                    T.gemm(a_keys, k_tile, wide, clear_accum=True)
-                                    T.copy(wide, kbar_u_op)
-                                    T.barrier_wait(full[V_TILE], phase)
-                                    T.gemm(gated, v_tile, u_acc, clear_accum=True)
-                                    T.barrier_arrive(free[V_TILE])
-                                    T.barrier_wait(full[STATE], phase)
-                                    T.gemm(kbar_u_op, state, u_acc)
-                                    T.barrier_arrive(free[STATE])
-                                    T.copy(u_acc, kbar_u_op)  # Kbar's GEMM is done: the tile holds U from here
+                                            d_w_op[r, d] = T.cast(-d_w_acc[r, d], dtype)
+                                        hand_over(d_w_ready)
+                                        T.barrier_wait(full[DO], phase)
+                                        T.gemm(do_tile, state, dq_gated, transpose_B=True, clear_accum=True)
+                                        T.barrier_arrive(free[DO])
 
-                                    # dk = diag(te) U dS'^T + d_qk^T Qs + diag(G) gated^T d_w + (d_gram + d_gram^T) Kn,
-                                    # added to the unit's sum term by term (the first before the attention products,
-                                    # so that the sum and the products' fragments are not live at once).
-                                    T.barrier_wait(full[STATE_GRAD], phase)
-                                    T.gemm(kbar_u_op, state_grad, wide, transpose_B=True, clear_accum=True)
-                                    T.barrier_arrive(free[STATE_GRAD])
-                                    accumulate(dk_sum, first, lambda r, d: to_end[r] * wide[r, d])
-                                    row_dots(wide, k_tile, values_rows, tail_sum)
-
-                                    # The attention products (Qs Kn^T = scale Qn Kn^T):
-                                    # d_qk = (dO U^T) o E, X_decay = (dO U^T) o (Qs Kn^T) o E.
-                                    T.barrier_wait(full[DO], phase)
-                                    T.gemm(do_tile, kbar_u_op, d_attn, transpose_B=True, clear_accum=True)
-                                    T.barrier_arrive(free[DO])
-                                    T.gemm(q_tile, k_tile, x_decay, transpose_B=True, clear_accum=True)
-                                    for r, j in T.Parallel(C, C):
-                                        e = decay(gamma_tile, r, j, n) * scale
-                                        d_qk_op[r, j] = T.cast(d_attn[r, j] * e, dtype)
-                                        x_decay[r, j] = d_attn[r, j] * x_decay[r, j] * e
-                                    hand_over(d_qk_ready)
-                                    row_sums(x_decay, values_rows, decay_rows)
-                                    column_sums(x_decay, T.view(kbar_u_op, [C, C], accum), decay_cols, tx)  # U is dead
-                                    T.gemm(d_qk_op, q_tile, dk_sum, transpose_A=True)
-                                    T.barrier_wait(d_w_ready, phase)
-                                    T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)  # d_k_gated
-                                    T.barrier_arrive(free[GATED])
-                                    for r, d in T.Parallel(C, K):
-                                        dk_sum[r, d] = dk_sum[r, d] + gate[r] * wide[r, d]
-                                    row_dots(wide, k_tile, values_rows, k_gate_sum)
-                                    T.barrier_wait(d_gram_ready, phase)
-                                    T.gemm(inverse_op, k_tile, dk_sum)
-                                    T.gemm(inverse_op, k_tile, dk_sum, transpose_A=True)
-                                    if last:
-                                        finish_input_gradient(dk_sum, k_tile, k_scale, wide, values_rows,
-                                                              dk, s, n, hk)
-                                        T.barrier_arrive(free[Q_TILE])
-                                        T.barrier_arrive(free[K_TILE])
-                                else:
-                                    # --- State role.  d_w = -dU S^T; dq's first term dO S^T.
-                                    T.barrier_wait(full[DU], phase)
-                                    T.barrier_wait(full[STATE], phase)
-                                    T.gemm(du_tile, state, d_w_acc, transpose_B=True, clear_accum=True)
-                                    for r, d in T.Parallel(C, K):
-                                        d_w_op[r, d] = T.cast(-d_w_acc[r, d], dtype)
-                                    hand_over(d_w_ready)
-                                    T.barrier_wait(full[DO], phase)
-                                    T.gemm(do_tile, state, dq_gated, transpose_B=True, clear_accum=True)
-                                    T.barrier_arrive(free[DO])
-
-                                    # <S, dS'>, a column block at a time.
-                                    T.barrier_wait(full[STATE_GRAD], phase)
-                                    T.clear(state_rows)
-                                    for block in T.serial(V // state_cols):
-                                        for d, j in T.Parallel(K, state_cols):
-                                            state_products[d, j] = (T.cast(state[d, block * state_cols + j], accum)
-                                                                    * T.cast(state_grad[d, block * state_cols + j], accum))
-                                        T.reduce_sum(state_products, state_part, dim=1)
+                                        # <S, dS'>, a column block at a time.
+                                        T.barrier_wait(full[STATE_GRAD], phase)
+                                        T.clear(state_rows)
+                                        for block in T.serial(V // state_cols):
+                                            for d, j in T.Parallel(K, state_cols):
+                                                state_products[d, j] = (T.cast(state[d, block * state_cols + j], accum)
+                                                                        * T.cast(state_grad[d, block * state_cols + j], accum))
+                                            T.reduce_sum(state_products, state_part, dim=1)
+                                            for d in T.Parallel(K):
+                                                state_rows[d] = state_rows[d] + state_part[d]
+                                        T.barrier_arrive(free[STATE])
+                                        T.barrier_arrive(free[STATE_GRAD])
                                         for d in T.Parallel(K):
-                                            state_rows[d] = state_rows[d] + state_part[d]
-                                    T.barrier_arrive(free[STATE])
-                                    T.barrier_arrive(free[STATE_GRAD])
-                                    for d in T.Parallel(K):
-                                        state_dot[d] = state_rows[d]
-                                    # dq's first term, into the unit's sum (the gradient of Qn: scale times Qs's).
-                                    T.barrier_wait(keys_ready, phase)
-                                    accumulate(dq_sum, first, lambda r, d: gate[r] * scale * dq_gated[r, d])
-                                    row_dots(dq_gated, q_tile, state_role_rows, q_gate_sum)
+                                            state_dot[d] = state_rows[d]
+                                        # dq's first term, into the unit's sum (the gradient of Qn: scale times Qs's).
+                                        T.barrier_wait(keys_ready, phase)
+                                        accumulate(dq_sum, first, lambda r, d: gate[r] * scale * dq_gated[r, d])
+                                        row_dots(dq_gated, q_tile, state_role_rows, q_gate_sum)
 
-                                    # dv = gated^T dU; d_gated = dU V^T + d_w (diag(G) Kn)^T, the gate scaling
-                                    # d_w Kn^T's columns.
-                                    T.barrier_wait(full[GATED], phase)
-                                    T.gemm(gated, du_tile, dv_acc, transpose_A=True, clear_accum=True)
-                                    T.barrier_arrive(free[GATED])
-                                    for r, j in T.Parallel(C, V):
-                                        if r < n:
-                                            dv[s + r, hv, j] = T.cast(dv_acc[r, j], dtype)
-                                    T.gemm(d_w_op, k_tile, d_gated, transpose_B=True, clear_accum=True)
-                                    for r, j in T.Parallel(C, C):
-                                        d_gated[r, j] = d_gated[r, j] * gate[j]
-                                    T.barrier_wait(full[V_TILE], phase)
-                                    T.gemm(du_tile, v_tile, d_gated, transpose_B=True)
-                                    T.barrier_arrive(free[V_TILE])
+                                        # dv = gated^T dU; d_gated = dU V^T + d_w (diag(G) Kn)^T, the gate scaling
+                                        # d_w Kn^T's columns.
+                                        T.barrier_wait(full[GATED], phase)
+                                        T.gemm(gated, du_tile, dv_acc, transpose_A=True, clear_accum=True)
+                                        T.barrier_arrive(free[GATED])
+                                        for r, j in T.Parallel(C, V):
+                                            if r < n:
+                                                dv[s + r, hv, j] = T.cast(dv_acc[r, j], dtype)
+                                        T.gemm(d_w_op, k_tile, d_gated, transpose_B=True, clear_accum=True)
+                                        for r, j in T.Parallel(C, C):
+                                            d_gated[r, j] = d_gated[r, j] * gate[j]
+                                        T.barrier_wait(full[V_TILE], phase)
+                                        T.gemm(du_tile, v_tile, d_gated, transpose_B=True)
+                                        T.barrier_arrive(free[V_TILE])
 
-                                    # Through the inverse: d_a0 = d_gated o E diag(beta); X_gated = d_gated o A0 o E diag(beta).
-                                    T.barrier_wait(full[A0], phase)
-                                    for r, j in T.Parallel(C, C):
-                                        e = decay(gamma_tile, r, j, n)
-                                        inverse_op[r, j] = T.cast(d_gated[r, j] * e * beta_tile[j], dtype)
-                                        d_gated[r, j] = d_gated[r, j] * a0[r, j] * e
-                                    column_sums(d_gated, T.view(du_tile, [C, C], accum), gated_cols, tx - ROLE_THREADS)
-                                    T.barrier_arrive(free[DU])  # its tile held the sums' staging
-                                    for r, j in T.Parallel(C, C):
-                                        d_gated[r, j] = d_gated[r, j] * beta_tile[j]
-                                    row_sums(d_gated, state_role_rows, gated_rows)
-                                    T.gemm(a0, inverse_op, small, transpose_A=True, clear_accum=True)
-                                    T.copy(small, inverse_op)  # A0^T d_a0
-                                    T.gemm(inverse_op, a0, small, transpose_B=True, clear_accum=True)
-                                    T.barrier_arrive(free[A0])
-                                    for r, j in T.Parallel(C, C):
-                                        small[r, j] = T.Select(j < r and r < n, -small[r, j], T.float32(0))  # dM
-                                    for r, j in T.Parallel(C, C):
-                                        inverse_op[r, j] = T.cast(beta_tile[r] * small[r, j], dtype)  # d_gram = diag(beta) dM
-                                    hand_over(d_gram_ready)
-                                    # dbeta's second term: rowsum(dM o Kn Kn^T).
-                                    T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
-                                    for r, j in T.Parallel(C, C):
-                                        gram[r, j] = gram[r, j] * small[r, j]
-                                    row_sums(gram, state_role_rows, beta_rows)
+                                        # Through the inverse: d_a0 = d_gated o E diag(beta); X_gated = d_gated o A0 o E diag(beta).
+                                        T.barrier_wait(full[A0], phase)
+                                        for r, j in T.Parallel(C, C):
+                                            e = decay(gamma_tile, r, j, n)
+                                            inverse_op[r, j] = T.cast(d_gated[r, j] * e * beta_tile[j], dtype)
+                                            d_gated[r, j] = d_gated[r, j] * a0[r, j] * e
+                                        column_sums(d_gated, T.view(du_tile, [C, C], accum), gated_cols, tx - ROLE_THREADS)
+                                        T.barrier_arrive(free[DU])  # its tile held the sums' staging
+                                        for r, j in T.Parallel(C, C):
+                                            d_gated[r, j] = d_gated[r, j] * beta_tile[j]
+                                        row_sums(d_gated, state_role_rows, gated_rows)
+                                        T.gemm(a0, inverse_op, small, transpose_A=True, clear_accum=True)
+                                        T.copy(small, inverse_op)  # A0^T d_a0
+                                        T.gemm(inverse_op, a0, small, transpose_B=True, clear_accum=True)
+                                        T.barrier_arrive(free[A0])
+                                        for r, j in T.Parallel(C, C):
+                                            small[r, j] = T.Select(j < r and r < n, -small[r, j], T.float32(0))  # dM
+                                        for r, j in T.Parallel(C, C):
+                                            inverse_op[r, j] = T.cast(beta_tile[r] * small[r, j], dtype)  # d_gram = diag(beta) dM
+                                        hand_over(d_gram_ready)
+                                        # dbeta's second term: rowsum(dM o Kn Kn^T).
+                                        T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
+                                        for r, j in T.Parallel(C, C):
+                                            gram[r, j] = gram[r, j] * small[r, j]
+                                        row_sums(gram, state_role_rows, beta_rows)
 
-                                    # dq's second term, d_qk Kn (the scale in d_qk_op).
-                                    T.barrier_wait(d_qk_ready, phase)
-                                    T.gemm(d_qk_op, k_tile, dq_sum)
-                                    if last:
-                                        finish_input_gradient(dq_sum, q_tile, q_scale, dq_gated,
-                                                              state_role_rows, dq, s, n, hk)
-                                        T.barrier_arrive(free[Q_TILE])
-                                        T.barrier_arrive(free[K_TILE])
-
-                                # dg_r = sum_{r' >= r} d_gamma_r' + d(gamma_last), and gamma_last enters through
-                                # every te (cancelling d_gamma's te terms for r' >= r) and through the chunk's decay
-                                # exp(gamma_last) S:  dg_r = sum_j (j >= r ? head_j : tail_j) + exp(gamma_last) <S, dS'>,
-                                # head_j = G_j (scale q_gate_sum_j + k_gate_sum_j) + rowsum(X)_j - colsum(X)_j and
-                                # tail_j = te_j tail_sum_j (0 past n).  <S, dS'> is split over the 64 j and added to
-                                # both, so that the one picked carries it.  In place: thread j reads only its own j.
-                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
-                                if tx < C:
-                                    dot = T.exp2(gamma_tile[n - 1]) * (state_dot[tx] + state_dot[tx + C])
-                                    dbeta_row = gated_cols[tx] + beta_rows[tx]
-                                    q_gate_sum[tx] = T.Select(tx < n, gate[tx] * (scale * q_gate_sum[tx] + k_gate_sum[tx])
-                                                              + decay_rows[tx] + gated_rows[tx] - decay_cols[tx]
-                                                              - beta_tile[tx] * gated_cols[tx], T.float32(0)) + dot
-                                    tail_sum[tx] = T.Select(tx < n, to_end[tx] * tail_sum[tx], T.float32(0)) + dot
-                                    if tx < n:
-                                        dbeta[s + tx, hv] = dbeta_row
-                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)
-                                if tx < n:
-                                    dg[s + tx, hv] = serial_sum(lambda j: T.Select(j >= tx, q_gate_sum[j], tail_sum[j]), C)
-                                T.sync_threads(ROLES_BARRIER, 2 * ROLE_THREADS)  # before the next item's row values
-                            units_done = units_done + 1
-            if tx >= 2 * ROLE_THREADS:
+                                        # dq's second term, d_qk Kn (the scale in d_qk_op).
+                                        T.barrier_wait(d_qk_ready, phase)
+                                        T.gemm(d_qk_op, k_tile, dq_sum)
+                                        if last:
+                                            finish_input_gradient(dq_sum, q_tile, q_scale, dq_gated,
+                                                                  state_role_rows, dq, s, n, hk)
+                                            T.barrier_arrive(free[Q_TILE])
+                                            T.barrier_arrive(free[K_TILE])
+                                        T.barrier_arrive(sums_ready)  # its row sums, for dg and dbeta
+                                units_done = units_done + 1
+            else:
                 # --- Loader: each tile of the program's next item as soon as its slot is free, in the
                 # order the slots free up (rows past the tensor arrive as zeros); q and k once per unit.
                 T.set_max_nreg(LOADER_REGS, 0)
