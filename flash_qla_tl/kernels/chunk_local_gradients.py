@@ -76,8 +76,9 @@ def build_chunk_local_gradients(
 
     They hand each other four operands through shared memory, each behind an
     mbarrier: ``Kn``/``Qn`` (normalised by the values role in place, once per
-    unit), ``d_w``, ``d_qk`` and ``d_gram``; the per-row sums meet in shared memory
-    for ``dg`` and ``dbeta``.
+    unit), ``d_w``, ``d_qk`` and ``d_gram``; two more order each item: the values
+    role loads the per-row values (and zeros a short chunk's padding) for both, the
+    state role leaves its row sums for the values role's ``dg`` and ``dbeta``.
     """
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
