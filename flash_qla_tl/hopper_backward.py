@@ -85,11 +85,12 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
                                          chunk_states=states if last else None)
 
     def reverse(d_out, end, last):
-        d_out = torch.zeros_like(do_packed) if d_out is None else d_out  # the transition pass: no output gradient
+        # Only the last pass writes dU and dS'; the transition pass (d_out None) has no output gradient.
         grads = torch.empty(offsets.numel() - 1, hv, kdim, vdim, dtype=torch.float32, device=device)
-        kernel = compile_program(build_reverse_state_pass, hqk, hv, kdim, vdim, dtype, end is not None, plan.block_v)
-        kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, d_out, ops.gamma, ops.a_keys, offsets,
-               placeholder if end is None else end, ops.scale, du, state_grads, grads)
+        kernel = compile_program(build_reverse_state_pass, hqk, hv, kdim, vdim, dtype, end is not None, plan.block_v,
+                                 last, d_out is not None)
+        kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, do_packed if d_out is None else d_out, ops.gamma, ops.a_keys,
+               offsets, placeholder if end is None else end, ops.scale, du, state_grads, grads)
         return grads
 
     # Everything the side stream reads was made on the caller's stream before the fork, and

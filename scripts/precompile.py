@@ -88,6 +88,8 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b)))
+            # context parallelism's first reverse pass (no state, no stores), its transition (no dO either)
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, False, not has_state)))
     return out
 
 

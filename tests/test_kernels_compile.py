@@ -162,6 +162,17 @@ def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     assert "tma_store(chunk_state_grads_desc" in source
 
 
+def test_context_parallel_reverse_passes_compile():
+    """Context parallelism's first reverse pass stores nothing; its transition pass neither reads dO nor q."""
+    first = compile_program(build_reverse_state_pass, 2, 8, 128, 128, "bfloat16", False, 64, False, True)
+    transition = compile_program(build_reverse_state_pass, 2, 8, 128, 128, "bfloat16", True, 64, False, False)
+    for source in (first.get_kernel_source(), transition.get_kernel_source()):
+        assert "tma_store(" not in source and "du[" not in source and "wgmma" in source
+    assert "tma_load(do_desc" in first.get_kernel_source()
+    assert "tma_load(do_desc" not in transition.get_kernel_source()
+    assert "tma_load(q_desc" not in transition.get_kernel_source()
+
+
 @pytest.mark.parametrize("hqk,hv,dtype,l2norm", [(16, 32, "bfloat16", True), (2, 6, "float16", False)])
 def test_chunk_local_gradients_compile(hqk, hv, dtype, l2norm):
     source = compile_program(build_chunk_local_gradients, hqk, hv, 128, 128, dtype, l2norm, 132).get_kernel_source()

@@ -25,6 +25,11 @@ the local gradients only use them as GEMM operands (from their GEMM operand
 copies, by TMA; a short last chunk's dU row by row), and the gradient of the
 initial state (fp32).
 
+Context parallelism (``context_parallel.chain_segments``) runs the pass three
+times; only the last one's dU and dS' are wanted (``store_outputs``), and the
+transition pass has no output gradient (``read_output_grad=False``: dU = diag(dte)
+K dS', dS = exp2(gamma_last) dS' + Kbar^T dU, without dO, q, P or their GEMMs).
+
 Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
 tensor-core work per chunk, ``dS' -> dU -> dS``), 1 prepares the next chunk's
 state-independent operands (``Kbar``, ``P``, ``diag(og) dO``) into a two-stage
@@ -48,9 +53,16 @@ def build_reverse_state_pass(
     dtype: str,
     has_final_state_grad: bool,
     block_v: int = 64,
+    store_outputs: bool = True,
+    read_output_grad: bool = True,
     chunk: int = 64,
 ):
-    """Build the reverse pass's PrimFunc for one static config; token, sequence and slot counts stay symbolic."""
+    """Build the reverse pass's PrimFunc for one static config; token, sequence and slot counts stay symbolic.
+
+    ``store_outputs=False``: dU and dS' are not written (``du`` and ``chunk_state_grads`` may be
+    placeholders); ``read_output_grad=False``: ``do`` is taken as zero and not read (nor are q
+    and the output gates).
+    """
     import tilelang.language as T
 
     K, V, C = head_dim_k, head_dim_v, chunk
@@ -135,24 +147,31 @@ def build_reverse_state_pass(
                     n = T.min(seqlen - c * C, C)
                     reuse_chain_tile()  # dS' and dU of the previous chunk
                     T.copy(ds, ds_op)
-                    store_chain_tile(ds_op, chunk_state_grads[bos // C + seq + c, hv, :, v0 : v0 + block_v])
+                    if store_outputs:
+                        store_chain_tile(ds_op, chunk_state_grads[bos // C + seq + c, hv, :, v0 : v0 + block_v])
                     T.barrier_wait(prepared[st], (i // STAGES) % 2)
 
                     # Round 1: P^T dO and K dS' (dU's two terms), and dS's first two terms.
-                    if st == 0:  # a GEMM operand is one whole buffer: picked by stage
-                        T.wgmma_gemm(p_op[0], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
+                    if read_output_grad:
+                        if st == 0:  # a GEMM operand is one whole buffer: picked by stage
+                            T.wgmma_gemm(p_op[0], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
+                        else:
+                            T.wgmma_gemm(p_op[1], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
                     else:
-                        T.wgmma_gemm(p_op[1], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
+                        T.clear(du_acc)
                     T.wgmma_gemm(k_tile[st, :, :], ds_op, k_ds, clear_accum=True)
                     for d, j in T.Parallel(K, block_v):
                         ds[d, j] = ds[d, j] * chunk_decay[st]
-                    T.wgmma_gemm(q_tile[st, :, :], gated_do_op[st, :, :], ds, transpose_A=True)
-                    T.wait_wgmma(1)
+                    if read_output_grad:
+                        T.wgmma_gemm(q_tile[st, :, :], gated_do_op[st, :, :], ds, transpose_A=True)
+                        T.wait_wgmma(1)
+                    else:
+                        T.wait_wgmma(0)
 
                     for r, j in T.Parallel(C, block_v):
                         du_acc[r, j] = T.Select(r < n, du_acc[r, j] + decay_to_end[st, r] * k_ds[r, j], T.float32(0))
                     T.copy(du_acc, du_op)  # the previous dU's store has read it: reuse_chain_tile above
-                    if n == C:  # a whole chunk's dU leaves from its operand copy
+                    if store_outputs and n == C:  # a whole chunk's dU leaves from its operand copy
                         store_chain_tile(du_op, du[s : s + C, hv, v0 : v0 + block_v])
                     T.wait_wgmma(0)
 
@@ -161,7 +180,7 @@ def build_reverse_state_pass(
                         T.wgmma_gemm(kbar_op[0], du_op, ds, transpose_A=True)
                     else:
                         T.wgmma_gemm(kbar_op[1], du_op, ds, transpose_A=True)
-                    if n < C:  # rows past n belong to the next sequence
+                    if store_outputs and n < C:  # rows past n belong to the next sequence
                         for r, j in T.Parallel(C, block_v):
                             if r < n:
                                 du[s + r, hv, v0 + j] = T.cast(du_acc[r, j], dtype)
@@ -182,10 +201,12 @@ def build_reverse_state_pass(
                     # no later TMA write to this stage races with these stores.
                     if n < C:
                         zero_rows_past(k_tile, st, n, C, K)
-                        zero_rows_past(do_tile, st, n, C, block_v)
+                        if read_output_grad:
+                            zero_rows_past(do_tile, st, n, C, block_v)
 
                     T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
-                    T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
+                    if read_output_grad:
+                        T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
                     for r in T.Parallel(C):
                         decay_to_end[st, r] = T.Select(
                             r < n, T.exp2(gamma_tile[st, n - 1, hg] - gamma_tile[st, r, hg]) * k_scale[st, r, hkn],
@@ -193,20 +214,24 @@ def build_reverse_state_pass(
                         )
                         if r == 0:
                             chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
-                    for r, j in T.Parallel(C, block_v):
-                        gated_do_op[st, r, j] = do_tile[st, r, j] * (
-                            T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn])
+                    if read_output_grad:
+                        for r, j in T.Parallel(C, block_v):
+                            gated_do_op[st, r, j] = do_tile[st, r, j] * (
+                                T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn])
                     T.wait_wgmma(0)
 
-                    gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)  # P, as the forward
+                    if read_output_grad:
+                        gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)  # P, as the forward
                     for r, d in T.Parallel(C, K):
                         kbar[r, d] = T.Select(r < n, kbar[r, d], T.float32(0))
                     if st == 0:
                         T.copy(kbar, kbar_op[0])
-                        T.copy(qk, p_op[0])
+                        if read_output_grad:
+                            T.copy(qk, p_op[0])
                     else:
                         T.copy(kbar, kbar_op[1])
-                        T.copy(qk, p_op[1])
+                        if read_output_grad:
+                            T.copy(qk, p_op[1])
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
             else:
@@ -215,9 +240,11 @@ def build_reverse_state_pass(
                     st = i % STAGES
                     s = bos + (num_chunks - 1 - i) * C
                     T.barrier_wait(consumed[st], (i // STAGES) % 2 ^ 1)
-                    T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
+                    if read_output_grad:
+                        T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(do[s : s + C, hv, v0 : v0 + block_v], do_tile[st, :, :], barrier=loaded[st])
+                    if read_output_grad:
+                        T.tma_copy(do[s : s + C, hv, v0 : v0 + block_v], do_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
                     T.barrier_arrive(loaded[st])
