@@ -1,11 +1,12 @@
 """Launcher for the Hopper forward: layouts in, TileLang kernels, outputs back.
 
-0. ``inverse_norms`` (with ``use_qk_l2norm_in_kernel``): ``1 / |row|`` of q and k,
-   applied later as fp32 scales (q and k themselves are never rewritten).
+0. ``inverse_norms`` (with ``use_qk_l2norm_in_kernel``): ``1 / |row|`` of q,
+   applied later as an fp32 scale (q itself is never rewritten);
 1. ``chunk_prep`` (all chunks at once): the gate cumsum and the gate-free chunk
    inverse ``A = A0 diag(beta)``, written as the GEMM operands the state pass
    needs: ``A o E`` for the values, and ``-diag(G) A diag(rk)`` for the keys where
-   the pass loads it (:func:`value_correction`).
+   the pass loads it (:func:`value_correction`); with the l2norm also the keys'
+   ``1 / |row|``, from the diagonal of the Gram matrix it forms anyway.
 2. ``chunk_forward`` (one program per sequence, value head and block of 32, 64
    or 128 value columns, :func:`plan_state_pass`): the state pass fused with the
    value correction and the output; context parallelism on top for a few long
@@ -183,12 +184,13 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     plan_offsets, cu_seqlens = cu_seqlens, cu_seqlens.to(torch.int32)
     q, k, v = packed_tokens(q), packed_tokens(k), packed_tokens(v)
     # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm.
+    # With it, chunk_prep writes k's (it reads every key row anyway); like gamma's, the rows past
+    # the last sequence (a token axis padded under capture) stay unwritten, and every pass
+    # selects rows past a chunk's end away.
     norm_shape = (total, padded_heads(hqk))
     if use_qk_l2norm_in_kernel:
-        inverse_norms = compile_program(build_inverse_norms, hqk, kdim, dtype)
         q_norm, k_norm = (torch.empty(norm_shape, dtype=torch.float32, device=device) for _ in range(2))
-        inverse_norms(q, q_norm)
-        inverse_norms(k, k_norm)
+        compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
     else:
         q_norm = k_norm = torch.ones(norm_shape, dtype=torch.float32, device=device)
     g, beta = packed_tokens(g).float(), packed_tokens(beta).float()
@@ -197,7 +199,8 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     a_values = torch.empty(total, hv, 64, dtype=q.dtype, device=device)
     a_keys, a_inverse = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) if wanted else None
                          for wanted in (store_keys, store_inverse))
-    prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype, store_inverse, store_keys)
+    prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype, store_inverse, store_keys,
+                           use_qk_l2norm_in_kernel)
     unused = placeholder((1, hv, 64), q.dtype, device)
     prep(k, k_norm, g, beta, chunks, gamma, unused if a_keys is None else a_keys, a_values,
          unused if a_inverse is None else a_inverse)

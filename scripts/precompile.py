@@ -63,10 +63,13 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
                 (build_gated_rms_norm, (128, dtype))]
     if "forward" not in kernels and "backward" not in kernels:
         return out
-    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_chunk_prep, (hqk, hv, 128, dtype, False, False)),
-            (build_chunk_prep, (hqk, hv, 128, dtype, False, True)),
-            (build_zero_tail_rows, (hv * 128, dtype)), (build_sequence_pieces, (CHUNK_ROWS,)),
-            (build_sequence_pieces, (SEGMENT_STARTS,))]
+    # chunk_prep: (store_inverse, store_keys) of the forward's plans and of the backward, each with and
+    # without the keys' norms (the l2norm)
+    preps = [(False, False), (False, True)] + ([(True, True)] if "backward" in kernels else [])
+    out += [(build_chunk_prep, (hqk, hv, 128, dtype, inverse, keys, l2norm))
+            for (inverse, keys), l2norm in itertools.product(preps, (True, False))]
+    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_zero_tail_rows, (hv * 128, dtype)),
+            (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
     # the state pass's value correction, per width, for one pass over whole sequences or over segments
     correction = lambda b, segments=False: value_correction(StatePassPlan(b, 2048 if segments else None))
     out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, correction(b)))
@@ -81,7 +84,6 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
                                        correction(b, True))) for b in widths]
     if "backward" in kernels:
-        out.append((build_chunk_prep, (hqk, hv, 128, dtype, True, True)))
         out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, HOPPER_SMS))
                 for l2norm in (True, False)]
         for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):

@@ -117,8 +117,10 @@ def test_other_gpus_run_the_reference(monkeypatch):
     assert rel_rms(o, o_ref) <= TOL
 
 
-def test_chunk_prep_intermediates():
-    """gamma, the operands A_keys, A_values and the backward's A0 of the prep kernel, against a float64 mirror."""
+@pytest.mark.parametrize("key_norms", [False, True])
+def test_chunk_prep_intermediates(key_norms):
+    """gamma, the operands A_keys, A_values and the backward's A0 of the prep kernel, against a float64 mirror;
+    with ``key_norms`` (the l2norm) also the keys' inverse norms it writes from its Gram matrix's diagonal."""
     from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
     from flash_qla_tl.kernels.compile import compile_program
 
@@ -130,11 +132,14 @@ def test_chunk_prep_intermediates():
     gamma = torch.full((total, 8), math.nan, device="cuda")
     a_keys, a_values, a_inverse = (torch.full((total, 8, 64), math.nan, device="cuda", dtype=torch.bfloat16)
                                    for _ in range(3))
-    # Inverse key norms as the launcher passes them: [T, Hqk padded to 4].
-    k_norm = torch.zeros(total, 4, device="cuda")
-    k_norm[:, :2] = (k.double().pow(2).sum(-1) + 1e-6).rsqrt().float()
-    compile_program(build_chunk_prep, 2, 8, D, "bfloat16", True)(k, k_norm, g, beta, chunks, gamma, a_keys,
-                                                                 a_values, a_inverse)
+    # Inverse key norms [T, Hqk padded to 4], as the launcher passes them or written by the kernel.
+    inverse_norms = (k.double().pow(2).sum(-1) + 1e-6).rsqrt()
+    k_norm = torch.full((total, 4), math.nan, device="cuda")
+    if not key_norms:
+        k_norm[:, :2] = inverse_norms.float()
+    compile_program(build_chunk_prep, 2, 8, D, "bfloat16", True, True, key_norms)(
+        k, k_norm, g, beta, chunks, gamma, a_keys, a_values, a_inverse)
+    assert rel_rms(k_norm[:, :2], inverse_norms) < 1e-5
 
     bf16 = 2 ** -8  # one rounding to bf16, relative
     for first, end, _ in chunks.tolist():
@@ -142,7 +147,7 @@ def test_chunk_prep_intermediates():
         if n == 0:
             continue
         for h in range(8):
-            rk = k_norm[first:end, h // 4].double()
+            rk = inverse_norms[first:end, h // 4]
             kc = k[first:end, h // 4].double() * rk[:, None]
             b = beta[first:end, h].double()
             m = (b[:, None] * (kc @ kc.T)).tril(-1)

@@ -5,8 +5,11 @@ For one chunk of ``n <= C`` tokens (first token ``s``) and one value head:
 * ``gamma_r = log2(e) * sum_{j <= r} g_j``: the chunk-local log decay, in base 2
   so that every later gate is a single ``exp2``.
 * ``A = A0 diag(beta)`` with ``A0 = (I + M)^-1``, ``M = strictly_lower(diag(beta) Kn Kn^T)``,
-  ``Kn = diag(r) K`` the keys scaled by their inverse norms ``r`` (from
-  inverse_norms, or ones without l2norm), applied in fp32 to the raw Gram matrix.
+  ``Kn = diag(r) K`` the keys scaled by their inverse norms ``r`` (ones without
+  l2norm), applied in fp32 to the raw Gram matrix.  With ``key_norms`` (the
+  l2norm) ``r = 1 / sqrt(|k|^2 + 1e-6)`` comes from that Gram matrix's diagonal
+  and is written out for the state passes: the keys are read once, here, not
+  also by ``inverse_norms``.
   ``M`` carries no gate: the gated inverse is ``A0 (.) E`` (DESIGN.md section 2),
   so the solve never sees ``g`` and the decay is applied afterwards, elementwise.
 * the GEMM operands the state passes read straight from HBM, in the
@@ -42,14 +45,14 @@ import math
 
 import tilelang.language as T
 
-from .inverse_norms import padded_heads
+from .inverse_norms import EPS, padded_heads
 
 LOG2_E = math.log2(math.e)
 
 
 def build_chunk_prep(
     num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str, store_inverse: bool = False,
-    store_keys: bool = True, chunk: int = 64
+    store_keys: bool = True, key_norms: bool = False, chunk: int = 64
 ):
     """Build the ``chunk_prep`` PrimFunc (contract: notes/kernel-interfaces.md).
 
@@ -60,6 +63,9 @@ def build_chunk_prep(
     may be a one-row placeholder (its rows are their own symbol).  Without
     ``store_keys`` (a forward whose state pass corrects the values in its chain,
     chunk_forward) ``A_keys`` is not written and may be a placeholder too.
+    ``key_norms``: ``k_norm`` is an output, the keys' inverse norms (``inverse_norms``'
+    formula), written by the program of each q/k head's first value head; otherwise an
+    input (ones without l2norm).
     """
     if num_v_heads % num_qk_heads != 0:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_qk_heads ({num_qk_heads})")
@@ -242,8 +248,9 @@ def build_chunk_prep(
         A_inverse: T.Tensor([num_inverse_rows, num_v_heads, C], dtype),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
-            # ~80 registers and ~36 KB of shared memory: 6 blocks fit on an SM; more
-            # blocks in flight hide the k loads, A stores and short solves of the others.
+            # 72 registers and 36 KB of shared memory: 6 blocks fit on an SM; more blocks in
+            # flight hide the k loads, A stores and short solves of the others.  (A seventh,
+            # with X packed to its ten lower blocks, measured 6% slower on an H100.)
             T.annotate_min_blocks_per_sm(6)
             k_tile = T.alloc_shared([C, head_dim], dtype)
             beta_tile = T.alloc_shared([C], accum)
@@ -275,7 +282,8 @@ def build_chunk_prep(
                 for r in T.Parallel(C):
                     beta_tile[r] = T.if_then_else(r < n, beta[s + r, head], T.float32(0))
                     g_tile[r] = T.if_then_else(r < n, g[s + r, head], T.float32(0))
-                    k_scale[r] = T.if_then_else(r < n, k_norm[s + r, qk_head], T.float32(0))
+                    if not key_norms:
+                        k_scale[r] = T.if_then_else(r < n, k_norm[s + r, qk_head], T.float32(0))
 
                 # Sum in natural log, then change base once: gamma_r = log2(e) * sum_{j<=r} g_j.
                 T.cumsum(src=g_tile, dst=gamma_tile, dim=0)
@@ -285,10 +293,26 @@ def build_chunk_prep(
                     if r < n:
                         gamma[s + r, head] = gamma_tile[r] * LOG2_E
 
+                # Synchronous: the shared-memory merge reuses k_tile's space by program order, so
+                # nothing may run while an asynchronous GEMM still reads it.
                 T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
-                # K K^T is symmetric: Mt[r, j] = M[j, r] from the accumulator's own (r, j).
+                if key_norms:  # |k_r|^2 is the Gram matrix's diagonal
+                    for r, j in T.Parallel(C, C):
+                        if r == j:
+                            k_scale[r] = T.if_then_else(r < n, T.rsqrt(gram[r, j] + EPS), T.float32(0))
+                    if head % v_heads_per_qk_head == 0:
+                        for r in T.Parallel(C):
+                            if r < n:
+                                k_norm[s + r, qk_head] = k_scale[r]
+
+                # K K^T is symmetric: Mt[r, j] = M[j, r] from the accumulator's own (r, j).  Scaled in
+                # registers first, stored after: TileLang puts a block-wide barrier in every iteration
+                # of a loop that both reads and writes shared memory (16 here: 3% of the kernel's time, H100).
                 for r, j in T.Parallel(C, C):
-                    Mt[r, group_of(r, j), j % G] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
+                    gram[r, j] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
+                T.sync_threads()  # the Gram GEMM has read k_tile, which Mt overwrites
+                for r, j in T.Parallel(C, C):
+                    Mt[r, group_of(r, j), j % G] = gram[r, j]
                 T.sync_threads()
 
                 # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
