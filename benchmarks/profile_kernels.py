@@ -1,6 +1,8 @@
 """Where the GPU time goes: each kernel of one forward (or, with --backward 1, one backward) call, from torch.profiler.
 
     python benchmarks/profile_kernels.py --heads 16x32 --lengths 4096x8 [--backward 1]
+    python benchmarks/profile_kernels.py --package .ab/main/flash_qla_tl     # another revision's package
+    python benchmarks/profile_kernels.py --package flash-qla                # the peer (its own kernels)
 """
 
 import sys
@@ -10,19 +12,31 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_forward import single_problem  # noqa: E402
+from bench_forward import load_candidate, single_problem  # noqa: E402
 
 import flash_qla_tl  # noqa: E402
+
+
+def operator(package: str):
+    """``chunk_gated_delta_rule`` of ``package``: ours (empty), a package directory, or ``flash-qla``."""
+    if not package:
+        return flash_qla_tl.chunk_gated_delta_rule
+    if package == "flash-qla":
+        from flash_qla import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule
+    return load_candidate(Path(package), "profiled").chunk_gated_delta_rule
 
 
 def main():
     def options(p):
         p.add_argument("--l2norm", type=int, default=1)
         p.add_argument("--backward", type=int, default=0)
+        p.add_argument("--package", default="", help="profile this instead: a flash_qla_tl directory, or flash-qla")
 
     args, (hqk, hv), x = single_problem(__doc__, "16x32", "4096x8", options)
-    forward = lambda: flash_qla_tl.chunk_gated_delta_rule(**x, output_final_state=True,
-                                                          use_qk_l2norm_in_kernel=bool(args.l2norm))
+    chunk_gated_delta_rule = operator(args.package)
+    forward = lambda: chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=bool(args.l2norm))
     call = forward
     if args.backward:
         for name in ("q", "k", "v", "g", "beta"):
@@ -37,7 +51,8 @@ def main():
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-    print(f"({hqk},{hv}) {args.lengths} {'backward' if args.backward else 'forward'}: 5 calls")
+    print(f"({hqk},{hv}) {args.lengths} {'backward' if args.backward else 'forward'}: 5 calls"
+          f"{' of ' + args.package if args.package else ''}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 

@@ -55,18 +55,22 @@ for step in $steps; do
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
     # CANDIDATE (full, bwd): other revisions' package directories, NAME=DIR separated by spaces, e.g.
     # main=.ab/main/flash_qla_tl from `mkdir -p .ab/main && git archive main flash_qla_tl | tar -x -C
-    # .ab/main` (.ab is ignored: name it in the call's carry), each timed as its own column beside ours
+    # .ab/main` (.ab is ignored: name it in the call's carry), each timed as its own column beside ours;
+    # NO_PEERS=1: our revisions only (an A/B; the peers' columns would not change); BENCH_MODES: one mode
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} $(candidates) \
-             ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
+             ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} ${BENCH_MODES:+--modes $BENCH_MODES} \
+             ${NO_PEERS:+--no-peers} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
     fwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_forward.py \
              ${FWD_TESTS_K:+-k "$FWD_TESTS_K"} 2>&1 \
              | tee "$OUT/gpu-tests-forward.log" | tail -30 ;;
     kernelcheck) timeout 300 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tee "$OUT/kernelcheck.log" \
              | tail -20 ;;
-    sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only, --chunked-only or --decode-only)
+    sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only, --chunked-only or --decode-only);
+              # SANITIZE_KERNEL: a regex, the kernels the tools check (default all)
       compute-sanitizer --version | tail -1
       for tool in memcheck racecheck synccheck; do
-        timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 python scripts/sanitize_kernels.py ${SANITIZE:-} \
+        timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 ${SANITIZE_KERNEL:+--kernel-name regex=$SANITIZE_KERNEL} \
+          python scripts/sanitize_kernels.py ${SANITIZE:-} \
           > "$OUT/sanitize-$tool.log" 2>&1; echo "$tool: exit $?"
         grep -v INFO "$OUT/sanitize-$tool.log" | grep -i "error summary\|hazard\|relative\|finite" | head -20
       done ;;
@@ -83,7 +87,7 @@ for step in $steps; do
       "$CUDA_HOME/bin/nvcc" -arch=sm_90a -lineinfo -O3 -o /tmp/probe scripts/racecheck_barrier_probe.cu && /tmp/probe 20000 \
         && for late in 0 20000; do compute-sanitizer --tool racecheck /tmp/probe $late 2>&1 | tail -3; done ;;
     bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} $(candidates) \
-             ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} 2>&1 \
+             ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} ${BENCH_MODES:+--modes $BENCH_MODES} ${NO_PEERS:+--no-peers} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
     bwdquick) python benchmarks/bench_backward.py --quick --out "$OUT/bench" 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -12 ;;
