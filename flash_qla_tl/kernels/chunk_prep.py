@@ -293,8 +293,8 @@ def build_chunk_prep(
                     if r < n:
                         gamma[s + r, head] = gamma_tile[r] * LOG2_E
 
-                # Synchronous: the shared-memory merge reuses k_tile's space by program order, so
-                # nothing may run while an asynchronous GEMM still reads it.
+                # Synchronous on purpose: the shared-memory merge gives k_tile's space to later buffers
+                # by program order, which an asynchronous GEMM still reading it would race with.
                 T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
                 if key_norms:  # |k_r|^2 is the Gram matrix's diagonal
                     for r, j in T.Parallel(C, C):
