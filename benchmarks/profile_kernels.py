@@ -1,6 +1,6 @@
 """Where the GPU time goes: each kernel of one forward (or, with --backward 1, one backward) call, from torch.profiler.
 
-    python benchmarks/profile_kernels.py --heads 16x32 --lengths 4096x8 [--backward 1]
+    python benchmarks/profile_kernels.py --heads 16x32 --lengths 4096x8 [--backward 1] [--graph 1]
     python benchmarks/profile_kernels.py --package .ab/main/flash_qla_tl     # another revision's package
     python benchmarks/profile_kernels.py --package flash-qla                # the peer (its own kernels)
 """
@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_forward import load_candidate, single_problem  # noqa: E402
+from timing import CALLS_PER_GRAPH, capture  # noqa: E402
 
 import flash_qla_tl  # noqa: E402
 
@@ -33,8 +34,13 @@ def main():
         p.add_argument("--l2norm", type=int, default=1)
         p.add_argument("--backward", type=int, default=0)
         p.add_argument("--package", default="", help="profile this instead: a flash_qla_tl directory, or flash-qla")
+        p.add_argument("--graph", type=int, default=0,
+                       help="profile replays of the benchmarks' CUDA graph (every kernel the graph holds) instead of "
+                            "eager calls")
 
     args, (hqk, hv), x = single_problem(__doc__, "16x32", "4096x8", options)
+    if args.graph and args.backward:
+        raise SystemExit("--graph profiles the forward only (bench_backward.py captures the backward)")
     chunk_gated_delta_rule = operator(args.package)
     forward = lambda: chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=bool(args.l2norm))
     call = forward
@@ -44,6 +50,9 @@ def main():
         o, ht = forward()
         grads = (torch.randn_like(o), torch.randn_like(ht))
         call = lambda: torch.autograd.backward((o, ht), grads, retain_graph=True)
+    if args.graph:
+        graph, _ = capture(call, CALLS_PER_GRAPH)
+        call = graph.replay
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -51,8 +60,9 @@ def main():
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-    print(f"({hqk},{hv}) {args.lengths} {'backward' if args.backward else 'forward'}: 5 calls"
-          f"{' of ' + args.package if args.package else ''}")
+    calls = 5 * CALLS_PER_GRAPH if args.graph else 5
+    print(f"({hqk},{hv}) {args.lengths} {'backward' if args.backward else 'forward'}: {calls} calls"
+          f"{' in CUDA-graph replays' if args.graph else ''}{' of ' + args.package if args.package else ''}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 

@@ -35,10 +35,13 @@ OPERAND_DTYPES = {torch.float32: "float32", **KERNEL_DTYPES}
 BLOCK_WIDTHS = (32, 64, 128)  # value columns per state-pass program (chunk_forward's block_v)
 # Programs at least this wide form Kbar = Ak K in their prep warpgroup; narrower ones
 # correct the values in their chain (chunk_forward's docstring): Kbar does not depend on
-# the value block, so 32-column programs would form it four times per head, and wait for
-# it.  The chain's form measured 5-10% faster at 32 columns, 1-2% slower at 64 (H200,
-# 2026-11-23, bench_forward.py under CUDA graphs, both forms in one process: BENCHMARKS.md).
-KBAR_MIN_WIDTH = 64
+# the value block, so a head's 32- or 64-column programs would form it four or two times,
+# and wait for it.  The chain's form measured 5-10% faster at 32 columns (H200,
+# 2026-11-23) and, with today's kernels, 4-8% faster at 64 ((16,64) 1x32768 1.761 -> 1.686
+# ms normalized, 1.888 -> 1.736 l2norm; (16,32) 4096x2 0.246 -> 0.233, 0.267 -> 0.246:
+# H100, 2026-11-24, bench_forward.py under CUDA graphs, both forms in one process:
+# BENCHMARKS.md), where on an H200 a day earlier it had been 1-2% slower.
+KBAR_MIN_WIDTH = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,11 +123,11 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
 def value_correction(plan: StatePassPlan) -> str:
     """Where the state passes of ``plan`` take the value correction's ``Ak`` from (chunk_forward's CORRECTIONS).
 
-    Whole-head programs without context parallelism derive it from ``A_values`` in
-    prep: fewer loads where prep and the chain are balanced.  (Measured 1-4% faster
-    at 128 columns, 1-2% slower at 64, and 3% slower with context parallelism, whose
-    transition pass then loads ``A_values`` it otherwise skips: H200,
-    notes/forward-budget.md.)
+    Narrower programs correct the values in their chain (``KBAR_MIN_WIDTH``).  Whole-head
+    programs without context parallelism derive it from ``A_values`` in prep: fewer
+    loads where prep and the chain are balanced.  (Measured 1-4% faster than loading
+    ``A_keys`` at 128 columns, and 3% slower with context parallelism, whose transition
+    pass then loads ``A_values`` it otherwise skips: H200, notes/forward-budget.md.)
     """
     if plan.block_v < KBAR_MIN_WIDTH:
         return "in_chain"

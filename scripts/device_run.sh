@@ -115,21 +115,29 @@ for step in $steps; do
         | head -${NCU_LINES:-50}
       rm -f "$OUT/ncu_source.csv" ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
+    # PROFILE_PACKAGES (profile, bwdprofile): whose kernels, each of profile_kernels.py's --package
+    # values ("" ours, a package directory, flash-qla), "-" for ours; PROFILE_ARGS: more options (--l2norm 0)
     profile)
-      for cfg in ${FWD_PROFILE:-16x32:4096x8 16x32:32768x1 2x8:32768x1}; do  # HqkxHv:LENxCOUNT ...
-        python benchmarks/profile_kernels.py --heads "${cfg%%:*}" --lengths "${cfg##*:}" 2>&1 | grep -v INFO \
+      for pkg in ${PROFILE_PACKAGES:--}; do for cfg in ${FWD_PROFILE:-16x32:4096x8 16x32:32768x1 2x8:32768x1}; do  # HqkxHv:LENxCOUNT ...
+        python benchmarks/profile_kernels.py --heads "${cfg%%:*}" --lengths "${cfg##*:}" --package "${pkg#-}" ${PROFILE_ARGS:-} 2>&1 | grep -v INFO \
           | tee -a "$OUT/profile.log" | tail -22
-      done ;;
+      done; done ;;
     bwdprofile)
-      for cfg in ${BWD_PROFILE:-16x32:8192x1 16x32:32768x1 2x4:8192x1}; do  # HqkxHv:LENxCOUNT ...
-        python benchmarks/profile_kernels.py --backward 1 --heads "${cfg%%:*}" --lengths "${cfg##*:}" 2>&1 | grep -v INFO \
-          | tee -a "$OUT/profile-backward.log" | tail -18
+      for pkg in ${PROFILE_PACKAGES:--}; do for cfg in ${BWD_PROFILE:-16x32:8192x1 16x32:32768x1 2x4:8192x1}; do  # HqkxHv:LENxCOUNT ...
+        python benchmarks/profile_kernels.py --backward 1 --heads "${cfg%%:*}" --lengths "${cfg##*:}" --package "${pkg#-}" \
+          ${PROFILE_ARGS:-} 2>&1 | grep -v INFO | tee -a "$OUT/profile-backward.log" | tail -18
+      done; done ;;
+    ncu)   # the same two variables as ncusrc; NCU_PACKAGES: KERNEL=PACKAGE pairs (profile_kernels.py's --package,
+           # e.g. "chunk_prep= kkt_solve=flash-qla"), each profiled on NCU_PROBLEM into ncu-KERNEL.log;
+           # NCU_SECTIONS: more of ncu's options (--section MemoryWorkloadAnalysis_Tables)
+      for run in ${NCU_PACKAGES:-${NCU_KERNEL:-chunk_forward}=}; do
+        kernel=${run%%=*}; pkg=${run#*=}
+        ncu --clock-control none -k regex:$kernel --launch-count 1 --launch-skip 3 \
+          --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+          --section MemoryWorkloadAnalysis --section SchedulerStats ${NCU_SECTIONS:-} \
+          python benchmarks/profile_kernels.py ${NCU_PROBLEM:---heads 16x32 --lengths 4096x8} --package "$pkg" \
+          > "$OUT/ncu-$kernel.log" 2>&1
+        grep -v "^==PROF==\|INFO" "$OUT/ncu-$kernel.log" | grep -A120 "$kernel" | head -130
       done ;;
-    ncu)   # the same two variables as ncusrc
-      ncu --clock-control none -k regex:${NCU_KERNEL:-chunk_forward} --launch-count 1 --launch-skip 3 \
-        --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
-        --section MemoryWorkloadAnalysis \
-        python benchmarks/profile_kernels.py ${NCU_PROBLEM:---heads 16x32 --lengths 4096x8} > "$OUT/ncu.log" 2>&1
-      grep -v "^==PROF==\|INFO" "$OUT/ncu.log" | grep -A100 "${NCU_KERNEL:-chunk_forward}" | head -110 ;;
   esac
 done

@@ -24,7 +24,7 @@ picks it per plan).  ``"kbar_loaded"``: chunk_prep's ``A_keys``.  ``"kbar_derive
 nor loaded: half of chunk_prep's matrix output and of this kernel's matrix loads,
 for a second bf16 rounding of ``Ak``.
 
-Narrow programs (``"in_chain"``: 32 columns) correct the values in the chain
+Narrow programs (``"in_chain"``: 32 and 64 columns) correct the values in the chain
 instead.  Since ``A o E = diag(G) A diag(G)^-1``,
 ``Ak = -(A o E) diag(G rk)``, so
 
@@ -35,11 +35,12 @@ and no ``Ak K``.  That GEMM (64 x 64 x K) does not depend on the value block, so
 with ``V / block_v`` programs per head prep repeated it for every block, and at 32
 columns the chain waited ~1100 of ~3900 cycles per chunk for prep (clock64
 traces, notes/forward-budget.md).  The price is a second dependent GEMM in the
-chain's first round (``K S``, then ``Av W``): at 64 columns it costs more than it
-saves (1-2% slower), at 32 it gains 5-10%.  Rounding ``W`` to ``dtype`` costs a
+chain's first round (``K S``, then ``Av W``): at 32 columns it gains 5-10% (H200,
+2026-11-23), at 64 4-8% (H100, 2026-11-24; on the H200 a day earlier, before the
+swizzled V tile, it had been 1-2% slower).  Rounding ``W`` to ``dtype`` costs a
 little precision (o within 4.4e-3 of float64 instead of 4.0e-3 on the benchmark's
-inputs).  (H200, 2026-11-23, ``bench_forward.py`` under CUDA graphs: BENCHMARKS.md's
-first forward section.)  Prep writes the decayed keys to a ring of their own, since
+inputs).  (``bench_forward.py`` under CUDA graphs: BENCHMARKS.md's forward
+sections; ``hopper_forward.KBAR_MIN_WIDTH``.)  Prep writes the decayed keys to a ring of their own, since
 the chain's ``K S`` reads the raw ones, and ``A_keys`` is neither loaded nor
 (chunk_prep's ``store_keys``) written.
 

@@ -56,7 +56,7 @@ def build_chunk_prep(
 ):
     """Build the ``chunk_prep`` PrimFunc (contract: notes/kernel-interfaces.md).
 
-    Grid ``(U, Hv)``: one program per (chunk, value head).  ``T`` (tokens) and ``U``
+    One program per (chunk, value head), ``U * Hv`` on one axis.  ``T`` (tokens) and ``U``
     (chunks) are symbolic, so one binary serves every length.  ``store_inverse``
     (the backward) also writes ``A0`` itself, which the local gradients need and
     cannot recover from ``A_values`` once ``E`` underflows; otherwise ``A_inverse``
@@ -79,6 +79,7 @@ def build_chunk_prep(
     C = chunk
     B = 16  # block size of the blocked inverse
     G = 4  # floats per group of M^T's columns: a micro-tile's four rows, one 16-byte load
+    X_PAD = 4  # floats of padding per row of X (see its allocation)
     # One warpgroup, because the Gram matrix is a single 64 x 64 wgmma tile.
     threads = 128
     accum = "float32"
@@ -146,7 +147,7 @@ def build_chunk_prep(
                 for e in T.unroll(2):
                     acc[a * 2 + e] += m[a] * xs[e]
         for a in T.unroll(G):
-            for e in T.unroll(2):
+            for e in T.vectorized(2):
                 P[p * B + (lane // 8) * G + a, (lane % 8) * 2 + e] = acc[a * 2 + e]
 
     @T.macro
@@ -170,7 +171,7 @@ def build_chunk_prep(
                 for e in T.unroll(2):
                     acc[a * 2 + e] -= xt[a] * ps[e]
         for a in T.unroll(G):
-            for e in T.unroll(2):
+            for e in T.vectorized(2):
                 X[r0 + a, c0 + e] = acc[a * 2 + e]
 
     @T.macro
@@ -247,7 +248,10 @@ def build_chunk_prep(
         A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),
         A_inverse: T.Tensor([num_inverse_rows, num_v_heads, C], dtype),
     ):
-        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+        # One axis, value heads fastest: a chunk's value heads are neighbours in launch order, so
+        # they read its key rows (shared by a q/k head's value heads) while those are still in L2.
+        # (Not a 2-D grid with the chunks on y, whose 65535 would cap T at 4M tokens.)
+        with T.Kernel(num_chunks * num_v_heads, threads=threads) as program:
             # 72 registers and 36 KB of shared memory: 6 blocks fit on an SM; more blocks in
             # flight hide the k loads, A stores and short solves of the others.  (A seventh,
             # with X packed to its ten lower blocks, measured 6% slower on an H100.)
@@ -264,12 +268,18 @@ def build_chunk_prep(
             # one column are one group.  Its diagonal blocks then hold the X_ii transposed.
             Mt = T.alloc_shared([C, C // G, G], accum)
             # A0 = (I + M)^-1, block lower triangular; blocks above the diagonal are never written.
-            X = T.alloc_shared([C, C], accum)
+            # Rows padded by X_PAD floats: a micro-tile store (four lane groups, rows 4 apart) and
+            # write_operands' row loads (rows 1 apart) then spread over all banks instead of
+            # meeting on the same ones (4-way and 2-way conflicts unpadded); the 1 KB it costs
+            # still leaves six programs per SM.
+            X = T.alloc_shared([C, C + X_PAD], accum)
             # One 16 x 16 block of sums per pair of a level (at most 3 pairs).
             P = T.alloc_shared([3 * B, B], accum)
             x = T.alloc_local([B], accum)
             acc = T.alloc_local([8], accum)
 
+            chunk_id = program // num_v_heads
+            head = program % num_v_heads
             s = chunk_table[chunk_id, 0]
             n = chunk_table[chunk_id, 1] - s
             qk_head = head // v_heads_per_qk_head

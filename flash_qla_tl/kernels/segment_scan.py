@@ -2,26 +2,46 @@
 
 One program per (sequence, value head, 8 value columns) walks its sequence's
 segments in order, in fp32 on CUDA cores (tf32 tensor cores would lose
-precision the state keeps everywhere else).  Each segment step is a serial
-K-long dot product per output, bound by shared-memory loads, so the column
-blocks are narrow: more programs and fewer outputs per thread, since the scan
-runs exactly when few programs fill the GPU.  (With 32-column blocks the scan
-took 306 us for (2, 8) and one 32K-token sequence: H200, 2026-11-22, torch
-2.11.0+cu130, tilelang 0.1.15, ``bash scripts/device_run.sh profile``; the
-8-column form was not profiled on its own.)
+precision the state keeps everywhere else).  The scan runs exactly when few
+programs fill the GPU, so a step's latency is what counts:
+
+* ``M_{i+1}`` (64 KB) streams into the second of two shared-memory buffers by
+  ``cp.async`` while step ``i`` multiplies by ``M_i``: the load is off the chain;
+* a thread owns a 4 x 2 register tile of the step's product (rows ``r + 32 a``,
+  two adjacent columns), so per four ``j`` it issues four 16-byte loads of ``M``
+  and four 8-byte loads of ``S`` for 32 FMAs;
+* ``M``'s rows are padded from K to K + 4 floats: the eight row blocks a warp
+  reads at once (rows ``8 w .. 8 w + 7``) then start on eight different groups
+  of four banks, so those loads are conflict-free (unpadded they all hit the
+  same four banks: 8-way conflicts).
+
+The product was one scalar, 16-way conflicted load of ``M`` per FMA, and ``M``
+was loaded synchronously at the top of each step: 72 us for (2, 8) and one
+32K-token sequence in 16 segments (H100, 2026-11-24, eager profile,
+``benchmarks/profile_kernels.py``).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
 import tilelang.language as T
 
 BLOCK_V = 8
+THREADS = 128
+ROWS, COLS = 4, 2  # a thread's register tile: ROWS rows 32 apart, COLS adjacent columns
+PAD = 4  # floats added to each row of M in shared memory (keeps rows 16-byte aligned)
 
 
 def build_segment_scan(num_v_heads: int, head_dim_k: int, head_dim_v: int):
     """``(transition, offset, initial, first_segment, num_segments) -> (entry, final)``; U and N symbolic."""
     H, K, V = num_v_heads, head_dim_k, head_dim_v
+    row_groups = THREADS // (BLOCK_V // COLS)  # threads along the rows: 32
+    assert K == row_groups * ROWS and V % BLOCK_V == 0, (K, V)
     num_segs = T.dynamic("U")
     num_seqs = T.dynamic("N")
+
+    @T.macro
+    def prefetch(transition, m, segment, h, stage):
+        """``M_segment`` into buffer ``stage`` by cp.async, one commit group (``segment`` clamped into the table)."""
+        T.async_copy(transition[T.max(T.min(segment, num_segs - 1), 0), h, :, :], m[stage, :, 0:K])
 
     @T.prim_func
     def segment_scan(
@@ -33,21 +53,49 @@ def build_segment_scan(num_v_heads: int, head_dim_k: int, head_dim_v: int):
         entry: T.Tensor([num_segs, H, K, V], "float32"),
         final: T.Tensor([num_seqs, H, K, V], "float32"),
     ):
-        with T.Kernel(V // BLOCK_V, H, num_seqs, threads=128) as (iv, h, n):
-            m = T.alloc_shared([K, K], "float32")
+        with T.Kernel(V // BLOCK_V, H, num_seqs, threads=THREADS) as (iv, h, n):
+            m = T.alloc_shared([2, K, K + PAD], "float32")
             state = T.alloc_shared([K, BLOCK_V], "float32")
-            acc = T.alloc_fragment([K, BLOCK_V], "float32")
+            acc = T.alloc_local([ROWS * COLS], "float32")
+            m_rows = T.alloc_local([ROWS * 4], "float32")  # M[r + 32 a, j .. j + 3]
+            s_cols = T.alloc_local([4 * COLS], "float32")  # S[j + e, c .. c + 1]
+            tx = T.get_thread_binding()
+            r0 = tx // (BLOCK_V // COLS)  # rows r0 + 32 a
+            c0 = (tx % (BLOCK_V // COLS)) * COLS
             v0 = iv * BLOCK_V
             first = first_segment[n]
+            count = num_segments[n]
+
+            prefetch(transition, m, first, h, 0)
             T.copy(initial[n, h, :, v0 : v0 + BLOCK_V], state)
-            for i in T.serial(num_segments[n]):
+            for i in T.serial(count):
+                st = i % 2
                 T.copy(state, entry[first + i, h, :, v0 : v0 + BLOCK_V])
-                T.copy(transition[first + i, h, :, :], m)
-                T.copy(offset[first + i, h, :, v0 : v0 + BLOCK_V], acc)
-                for r, c in T.Parallel(K, BLOCK_V):
-                    for j in T.serial(K):
-                        acc[r, c] += m[r, j] * state[j, c]
-                T.copy(acc, state)
+                # The buffer M_{i+1} goes to was last read by step i - 1, before the barrier ending it.
+                # (The last step reloads its own M into it: a clamped, unread copy keeps one group per step.)
+                prefetch(transition, m, first + T.min(i + 1, count - 1), h, 1 - st)
+                for a in T.unroll(ROWS):
+                    for c in T.vectorized(COLS):
+                        acc[a * COLS + c] = offset[first + i, h, r0 + row_groups * a, v0 + c0 + c]
+                T.ptx_wait_group(1)  # every group but the newest: M_i is in
+                T.sync_threads()
+                for jj in T.serial(K // 4):
+                    for a in T.unroll(ROWS):
+                        for e in T.vectorized(4):
+                            m_rows[a * 4 + e] = m[st, r0 + row_groups * a, jj * 4 + e]
+                    for e in T.unroll(4):
+                        for c in T.vectorized(COLS):
+                            s_cols[e * COLS + c] = state[jj * 4 + e, c0 + c]
+                    for e in T.unroll(4):
+                        for a in T.unroll(ROWS):
+                            for c in T.unroll(COLS):
+                                acc[a * COLS + c] += m_rows[a * 4 + e] * s_cols[e * COLS + c]
+                T.sync_threads()  # every thread has read S_i and M_i
+                for a in T.unroll(ROWS):
+                    for c in T.vectorized(COLS):
+                        state[r0 + row_groups * a, c0 + c] = acc[a * COLS + c]
+                T.sync_threads()
+            T.ptx_wait_group(0)  # no copy may outlive the program
             T.copy(state, final[n, h, :, v0 : v0 + BLOCK_V])
 
     return segment_scan
