@@ -40,15 +40,18 @@ chain's first round (``K S``, then ``Av W``): at 32 columns it gains 5-10% (H200
 swizzled V tile, it had been 1-2% slower).  Rounding ``W`` to ``dtype`` costs a
 little precision (o within 4.4e-3 of float64 instead of 4.0e-3 on the benchmark's
 inputs).  (``bench_forward.py`` under CUDA graphs: BENCHMARKS.md's forward
-sections; ``hopper_forward.KBAR_MIN_WIDTH``.)  Prep writes the decayed keys to a ring of their own, since
-the chain's ``K S`` reads the raw ones, and ``A_keys`` is neither loaded nor
-(chunk_prep's ``store_keys``) written.
+sections; ``hopper_forward.KBAR_MIN_WIDTH``.)  The chain's ``K S`` reads the raw
+keys, so its state update takes ``U`` decayed instead (below), and ``A_keys`` is
+neither loaded nor (chunk_prep's ``store_keys``) written.
 
 U and the per-chunk states never leave the chip, and neither does Kbar (the WY
 ``w``): it lives in shared memory for one chunk.  The state update reads the
 keys already decayed to the chunk end, ``Kd = diag(exp2(gamma_last - gamma) rk)
 K`` (prep rescales the chunk's key tile in place once its own GEMMs have read
 it), so the chain feeds the same bf16 ``U`` to both of its second-round GEMMs.
+In the narrow form the decay goes on ``U``'s rows instead, ``K^T (diag(..) U)``:
+``block_v`` columns scaled by the chain rather than K by prep, and a second bf16
+copy of ``U`` beside the first.
 Only the backward's recompute (``store_chunk_states``) writes the state entering every
 chunk (in ``dtype``: the local gradients read it as a GEMM operand; from the chain's
 operand copy of it, by TMA) to slot ``bos // C + seq + c`` of ``chunk_states`` (chunk
@@ -74,7 +77,7 @@ it, one chunk ahead:
   programs fit the 227 KB of shared memory (a second prep warpgroup on
   alternate chunks, tried for 32-column programs whose chain waits for prep,
   measured 1-6% slower on an H200: notes/forward-budget.md).  In the narrow
-  form there is no ``Kbar``, and ``Kd`` goes to a two-stage ring of its own;
+  form there is neither ``Kbar`` nor ``Kd``;
 * warpgroup 3, the loader: TMA loads of q, k, v, A_keys (``"kbar_loaded"``
   only), A_values, gamma and the inverse norms into a two-stage ring, so chunk
   c + 2 is in flight.
@@ -136,7 +139,7 @@ def build_chunk_forward(
     assert read_values or not store_output, "zero values are for the states-only passes"
     assert correction in CORRECTIONS, correction
     kbar_in_prep, derive_keys = correction != "in_chain", correction == "kbar_derived"
-    assert kbar_in_prep or block_v < V, "the decayed keys' ring does not fit next to 128-column operands"
+    assert kbar_in_prep or block_v < V, "the chain's value correction is built for 32 and 64 columns"
     group = num_v_heads // num_qk_heads
     accum = "float32"
     register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
@@ -207,7 +210,6 @@ def build_chunk_forward(
                 kbar_op = T.alloc_shared([C, K], dtype)  # Ak K
                 kbar_read = T.alloc_barrier(arrive_count=CHAIN_THREADS)  # completion c: chunk c's Kbar S is done
             else:
-                keys_decayed = T.alloc_shared([STAGES, C, K], dtype)  # Kd (the chain's K S reads k raw)
                 key_gate = T.alloc_shared([STAGES, C], accum)  # exp2(gamma_r) rk_r, 0 past n
             p_op = [T.alloc_shared([C, C], dtype) for _ in range(STAGES)]  # scale (Q K^T) o E
             out_gate = T.alloc_shared([STAGES, C], accum)  # scale exp2(gamma_r) rq_r, 0 past n
@@ -223,6 +225,7 @@ def build_chunk_forward(
             u_op = T.alloc_shared([C, block_v], dtype)  # U
             if not kbar_in_prep:
                 w_op = T.alloc_shared([C, block_v], dtype)  # W = V - diag(G rk) K S
+                u_decayed_op = T.alloc_shared([C, block_v], dtype)  # diag(exp2(gamma_last - gamma) rk) U
                 # V is read elementwise here, not by a GEMM (which would pick a swizzled layout
                 # itself): unswizzled, its 64-byte rows put a warp's eight rows on the same banks.
                 T.annotate_layout({v_tile: make_swizzled_layout(v_tile)})
@@ -230,6 +233,8 @@ def build_chunk_forward(
             state = T.alloc_fragment([K, block_v], accum)
             u = T.alloc_fragment([C, block_v], accum)
             out = T.alloc_fragment([C, block_v], accum)
+            if not kbar_in_prep:
+                u_decayed = T.alloc_fragment([C, block_v], accum)
             if kbar_in_prep:
                 kbar = T.alloc_fragment([C, K], accum)
             qk = T.alloc_fragment([C, C], accum)
@@ -288,9 +293,16 @@ def build_chunk_forward(
                     # U is done (Q S may still run): mask its padded rows, and decay the state.
                     for i, j in T.Parallel(C, block_v):
                         u[i, j] = T.Select(i < n, u[i, j], T.float32(0))
+                    if not kbar_in_prep:
+                        # The state update's U, decayed to the chunk end (block_v columns, where the
+                        # kbar form decays the keys' K columns in prep): its factor is 0 past n.
+                        for i, j in T.Parallel(C, block_v):
+                            u_decayed[i, j] = u[i, j] * decay_to_end[st, i]
                     if store_output:
                         reuse_chain_tile()  # u_op last staged the previous chunk's o
                     T.copy(u, u_op)
+                    if not kbar_in_prep:
+                        T.copy(u_decayed, u_decayed_op)
                     for d, j in T.Parallel(K, block_v):
                         state[d, j] = state[d, j] * chunk_decay[st]
                     if store_output:
@@ -298,7 +310,7 @@ def build_chunk_forward(
                         for i, j in T.Parallel(C, block_v):
                             out[i, j] = out[i, j] * out_gate[st, i]
 
-                    # Round 2: O += P U;  S += Kd^T U.
+                    # Round 2: O += P U;  S += Kd^T U (narrow: K^T (diag(..) U)).
                     if store_output:
                         if st == 0:  # a GEMM operand is one whole buffer: picked by stage
                             T.wgmma_gemm(p_op[0], u_op, out)
@@ -307,7 +319,7 @@ def build_chunk_forward(
                     if kbar_in_prep:
                         T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True)
                     else:
-                        T.wgmma_gemm(keys_decayed[st, :, :], u_op, state, transpose_A=True)
+                        T.wgmma_gemm(k_tile[st, :, :], u_decayed_op, state, transpose_A=True)
                     T.wait_wgmma(0)
                     # Every read of this stage (both rings) has completed.
                     T.barrier_arrive(consumed[st])
@@ -393,11 +405,6 @@ def build_chunk_forward(
                         if c > 0:
                             T.barrier_wait(kbar_read, (c - 1) % 2)
                         T.copy(kbar, kbar_op)
-                    else:
-                        # The chain's K S reads the raw keys: the decayed ones get a ring of their
-                        # own (stage st was last read by chunk c - 2's state update, as P's).
-                        for i, d in T.Parallel(C, K):
-                            keys_decayed[st, i, d] = k_tile[st, i, d] * decay_to_end[st, i]
                     # The chain reads these (and the zeroed v rows) with wgmma, the async proxy.
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
