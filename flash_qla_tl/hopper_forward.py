@@ -37,10 +37,11 @@ BLOCK_WIDTHS = (32, 64, 128)  # value columns per state-pass program (chunk_forw
 # correct the values in their chain (chunk_forward's docstring): Kbar does not depend on
 # the value block, so a head's 32- or 64-column programs would form it four or two times,
 # and wait for it.  The chain's form measured 5-10% faster at 32 columns (H200,
-# 2026-11-23) and, with today's kernels, 4-8% faster at 64 ((16,64) 1x32768 1.761 -> 1.686
-# ms normalized, 1.888 -> 1.736 l2norm; (16,32) 4096x2 0.246 -> 0.233, 0.267 -> 0.246:
-# H100, 2026-11-24, bench_forward.py under CUDA graphs, both forms in one process:
-# BENCHMARKS.md), where on an H200 a day earlier it had been 1-2% slower.
+# 2026-11-23) and 4-8% faster at 64 ((16,64) 1x32768 1.761 -> 1.686 ms normalized,
+# 1.888 -> 1.736 l2norm; (16,32) 4096x2 0.246 -> 0.233, 0.267 -> 0.246: H100, 2026-11-24,
+# bench_forward.py under CUDA graphs, both forms in one process, with the kernels of
+# that day, before the chain took over the decay of U: BENCHMARKS.md), where on an H200
+# a day earlier it had been 1-2% slower.
 KBAR_MIN_WIDTH = 128
 
 
