@@ -10,9 +10,10 @@ parallelism; CUDA-graph replay, ``timing.graph_ms``), marks the one
 beside them.  This is how the planner's rule was chosen.
 
 ``--backward``: the same for the backward's two walks (``hopper_backward.plan_walks``:
-widths up to 64, half the SMs each), timing ``torch.autograd.grad`` of all inputs as
-``bench_backward.py`` does, with each plan's largest gradient difference from the
-chosen plan's (relative RMS).  ``--fill`` and ``--min-split`` widen the plans tried:
+widths up to 64, half the SMs each; and ``fwd-segments``, the walks in the segments a
+forward kept, which ``hopper_backward.walks_take_forward_segments`` picks or not), timing
+``torch.autograd.grad`` of all inputs as ``bench_backward.py`` does, with each plan's
+largest gradient difference from the chosen plan's (relative RMS).  ``--fill`` and ``--min-split`` widen the plans tried:
 segment splits from ``--min-split`` up to ``--fill`` programs per SM the pass has.
 """
 
@@ -94,25 +95,34 @@ def compare_forward(x, hv, seqs, candidates) -> list[str]:
 
 
 def compare_walks(x, hv, seqs, candidates) -> list[str]:
-    """The backward under each walk plan (``hopper_backward.plan_walks`` replaced for the call)."""
+    """The backward under each walk plan (``hopper_backward.plan_walks`` replaced for the call), and in the
+    segments the forward kept where it ran in some (``fwd-segments``)."""
     from bench_backward import backward_step
 
-    chosen = hopper_backward.plan_walks(sum(seqs), len(seqs), hv, x["v"].device)
+    device = x["v"].device
+    chosen = hopper_backward.plan_walks(sum(seqs), len(seqs), hv, device)
+    in_segments = (hopper_forward.plan_state_pass(sum(seqs), len(seqs), hv, device).segment_tokens is not None
+                   and hopper_backward.walks_take_forward_segments(sum(seqs), len(seqs), hv, device))
     gen = torch.Generator("cuda").manual_seed(1)
     grads = [torch.randn(x["v"].shape, device="cuda", generator=gen).bfloat16(),
              torch.randn(x["initial_state"].shape, device="cuda", generator=gen) * 0.01]
-    planner, row, reference = hopper_backward.plan_walks, [], None
+    runs = {"chosen": (chosen, False), **{label: (plan, False) for label, plan in candidates.items()},
+            "fwd-segments": (chosen, True)}
+    planner, taker = hopper_backward.plan_walks, hopper_backward.walks_take_forward_segments
+    row, reference = [], None
     try:
-        for label, plan in {"chosen": chosen, **candidates}.items():
+        for label, (plan, segments) in runs.items():
             hopper_backward.plan_walks = lambda *args: plan
+            hopper_backward.walks_take_forward_segments = lambda *args: segments
             step = backward_step(fq.chunk_gated_delta_rule, x, grads)
             got = step()
             reference = got if reference is None else reference
             diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, reference))
+            picked = in_segments if segments else plan == chosen and not in_segments
             if label != "chosen":
-                row.append(f"{label}{'*' if plan == chosen else ''} {graph_ms(step):.3f} (diff {diff:.0e})")
+                row.append(f"{label}{'*' if picked else ''} {graph_ms(step):.3f} (diff {diff:.0e})")
     finally:
-        hopper_backward.plan_walks = planner
+        hopper_backward.plan_walks, hopper_backward.walks_take_forward_segments = planner, taker
     return row
 
 

@@ -2,8 +2,9 @@
 
 ``chunk_gated_delta_rule`` is the entry point for prefill and training.  It
 validates, then runs :class:`ChunkGatedDeltaRule`, whose forward and backward
-are the low-level :func:`chunk_gated_delta_rule_fwd` /
-:func:`chunk_gated_delta_rule_bwd`.  ``fused_recurrent_gated_delta_rule``
+are the low-level :func:`chunk_gated_delta_rule_fwd` (as
+:func:`chunk_forward_and_segments`, which also hands the backward the segments
+of a context-parallel forward) / :func:`chunk_gated_delta_rule_bwd`.  ``fused_recurrent_gated_delta_rule``
 (decoding) runs :func:`fused_recurrent_gated_delta_rule_fwd`, and for
 gradients :class:`RecurrentGatedDeltaRule`, whose backward is the chunked one.
 Those three are the only places that choose an implementation, so a new kernel
@@ -32,23 +33,67 @@ def forward_backend(q, k, v) -> str:
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     """Forward on validated inputs: ``(o, final_state or None)``."""
-    forward = (hopper_forward.chunk_forward if forward_backend(q, k, v) == "hopper"
-               else reference.chunked_gated_delta_rule)
-    return forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    o, final_state, _ = chunk_forward_and_segments(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                   use_qk_l2norm_in_kernel, cu_seqlens)
+    return o, final_state
+
+
+def chunk_forward_and_segments(q, k, v, g, beta, scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """:func:`chunk_gated_delta_rule_fwd` that also returns what its backward reuses:
+    ``(o, final_state, segments)``, ``segments`` the ``hopper_forward.SegmentStates`` of a
+    Hopper forward run in segments (context parallelism), else None."""
+    if forward_backend(q, k, v) == "hopper":
+        return hopper_forward.chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                            use_qk_l2norm_in_kernel, cu_seqlens, return_segments=True)
+    return (*reference.chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                use_qk_l2norm_in_kernel, cu_seqlens), None)
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, segments=None):
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the forward for output grads ``do`` and ``dht``.
 
     ``dht`` (the final state's gradient) and ``initial_state`` may be None; ``dh0``
     is None when ``initial_state`` is.  Where the forward runs the Hopper kernels,
     so does the backward (``hopper_backward.py``); everywhere else it is the
     chunked backward in PyTorch (``chunked_backward.py``, gradients written out).
+    ``segments``: what the Hopper forward of these inputs kept
+    (:func:`chunk_forward_and_segments`), or None.
     """
-    backward = (hopper_backward.chunk_backward if forward_backend(q, k, v) == "hopper"
-                else chunked_gated_delta_rule_backward)
-    return backward(q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens)
+    if forward_backend(q, k, v) == "hopper":
+        return hopper_backward.chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
+                                              use_qk_l2norm_in_kernel, cu_seqlens, segments)
+    return chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
+                                             use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def kept_segment_shapes(q, k, v, cu_seqlens=None) -> tuple[tuple, tuple] | None:
+    """The shapes ``(entry, transition)`` of the segments :func:`chunk_forward_and_segments` keeps for
+    such inputs, or None where it keeps none; from shapes alone, no kernel runs (a custom op's fake
+    implementation)."""
+    if forward_backend(q, k, v) != "hopper":
+        return None
+    batch, length, _, kdim = q.shape
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return hopper_forward.kept_segment_shapes(batch * length, num_seqs, v.shape[2], kdim, v.shape[3], q.device)
+
+
+def segments_from_tensors(q, v, cu_seqlens, entry, transition):
+    """``hopper_forward.SegmentStates`` from the entry states and transitions a custom op carried from its
+    forward to its backward (``chunk_forward_and_segments``' segments; empty tensors: none)."""
+    if entry.numel() == 0:
+        return None
+    batch, length = q.shape[:2]
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    plan = hopper_forward.plan_state_pass(batch * length, num_seqs, v.shape[2], q.device)
+    return hopper_forward.SegmentStates(plan, entry, transition)
+
+
+def recurrent_forward_and_segments(*args):
+    """:func:`fused_recurrent_gated_delta_rule_fwd` returning as :func:`chunk_forward_and_segments` does
+    (no segments)."""
+    return (*fused_recurrent_gated_delta_rule_fwd(*args), None)
 
 
 def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -73,23 +118,26 @@ def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state,
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
-    forward_fn = staticmethod(chunk_gated_delta_rule_fwd)
+    forward_fn = staticmethod(chunk_forward_and_segments)
 
     @classmethod
     def forward(cls, ctx, q, k, v, g, beta, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, cu_seqlens):
-        o, final_state = cls.forward_fn(
+        o, final_state, segments = cls.forward_fn(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
         )
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.scale, ctx.use_qk_l2norm_in_kernel = scale, use_qk_l2norm_in_kernel
+        # Intermediates (not inputs or outputs): held by the context, freed with the graph.
+        ctx.segments = segments if any(ctx.needs_input_grad) else None
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g, beta, ctx.scale, initial_state, do, dht, ctx.use_qk_l2norm_in_kernel, cu_seqlens
+            q, k, v, g, beta, ctx.scale, initial_state, do, dht, ctx.use_qk_l2norm_in_kernel, cu_seqlens,
+            ctx.segments
         )
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 
@@ -97,7 +145,7 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
 class RecurrentGatedDeltaRule(ChunkGatedDeltaRule):
     """The token recurrence on Hopper forward; the backward is the chunked one (same function, exactly)."""
 
-    forward_fn = staticmethod(fused_recurrent_gated_delta_rule_fwd)
+    forward_fn = staticmethod(recurrent_forward_and_segments)
 
 
 def chunk_gated_delta_rule(

@@ -14,6 +14,10 @@ segments that run side by side (:func:`chain_segments`):
 The backward's reverse pass is affine in the same way (the gradient entering a
 segment is ``L_seg dS_leaving + b_seg``), walked from each sequence's end: the
 scan then runs over the segments in reverse order (:func:`reversed_segments`).
+``L_seg`` is ``M_seg^T`` (the gradient of a linear map is its transpose), so
+where the forward ran in segments its backward reuses them: the recompute runs
+step 3 alone from the forward's entry states, and the reverse pass skips its
+transition pass (``hopper_forward.SegmentStates``).
 This is exact (no decay-based truncation).  It costs three passes instead of
 one, so it is used only when it spreads the work over at least
 ``MIN_SEGMENTS`` times more programs.  The plan reads shapes only, never device
@@ -23,6 +27,7 @@ values, so it does not synchronise.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -122,8 +127,18 @@ def reversed_segments(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int)
     return torch.where(inside, 2 * first[seq] + count[seq] - 1 - slot, slot)
 
 
-def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, order=None):
-    """Steps 1-3 of the module docstring for one affine pass over segments; returns each sequence's final state.
+class SegmentChain(NamedTuple):
+    """What :func:`chain_segments` learns: each sequence's final state, and per segment slot (``[U, Hv, K, *]``
+    fp32) its entry state and its transition ``M_seg``."""
+
+    final: torch.Tensor
+    entry: torch.Tensor
+    transition: torch.Tensor
+
+
+def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, order=None,
+                   transition=None) -> SegmentChain:
+    """Steps 1-3 of the module docstring for one affine pass over segments.
 
     ``run(values, start, last)`` runs the pass over the segments ``seg_cu`` from the
     per-segment states ``start`` (None: zero), with ``values`` (None: zero values, the
@@ -131,18 +146,23 @@ def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, or
     ``[U, Hv, K, V]`` fp32; ``last`` marks step 3, whose other outputs are the
     real ones.  ``initial`` ``[N, Hv, K, V]`` fp32 starts each sequence; ``order``
     (from :func:`reversed_segments`) makes the scan walk the segments backwards.
+    ``transition``: the segments' transitions where they are known already (the
+    backward's reverse pass takes the forward's, transposed: its map from the
+    gradient leaving a segment to the one entering it is ``M_seg^T``), which skips
+    the transition pass.  The entry states and transitions returned are in slot order.
     """
     from .kernels.compile import compile_program
     from .kernels.segment_scan import build_segment_scan
 
     offset = run(values, None, False)
     num_segs, hv, kdim, vdim = offset.shape
-    identity = torch.eye(kdim, device=offset.device).expand(num_segs, hv, kdim, kdim).contiguous()
-    transition = run(None, identity, False)  # K == V: M rides in a state's columns
-    if order is not None:
-        transition, offset = transition[order], offset[order]
+    if transition is None:
+        identity = torch.eye(kdim, device=offset.device).expand(num_segs, hv, kdim, kdim).contiguous()
+        transition = run(None, identity, False)  # K == V: M rides in a state's columns
+    scanned_transition, scanned_offset = (transition, offset) if order is None else (transition[order], offset[order])
     entry, final = torch.empty_like(offset), torch.empty_like(initial)
-    compile_program(build_segment_scan, hv, kdim, vdim)(transition, offset, initial, first_segment,
-                                                       num_segments, entry, final)
-    run(values, entry if order is None else entry[order], True)
-    return final
+    compile_program(build_segment_scan, hv, kdim, vdim)(scanned_transition.contiguous(), scanned_offset, initial,
+                                                       first_segment, num_segments, entry, final)
+    entry = entry if order is None else entry[order]
+    run(values, entry, True)
+    return SegmentChain(final, entry, transition)

@@ -5,11 +5,16 @@ sequence's chunks, then gradients local to every chunk.  Here:
 
 1. ``prepare_chunks`` (with ``A0`` stored) and one forward state pass with
    ``store_chunk_states``: the state entering every chunk is recomputed
-   (nothing is saved between the forward and the backward but the inputs);
+   (the forward keeps nothing per chunk; a forward run in segments keeps each
+   segment's entry state and transition, 2 x 64 KB per segment and head, so
+   that this pass runs in its segments from them);
 2. ``reverse_state_pass``: the state gradient walked backwards, giving ``dU``
-   per token, the gradient of the state leaving every chunk, and ``dh0``.
+   per token, the gradient of the state leaving every chunk, and ``dh0``
+   (in the forward's segments where it kept them, with their transitions
+   transposed: ``context_parallel.py``).
    The two walks do not depend on each other: they run side by side, the
-   recompute on a second stream, each planned for half the SMs;
+   recompute on a second stream, each planned for half the SMs (or, in the
+   forward's segments, :func:`plan_walks_in_segments`);
 3. ``chunk_local_gradients``, persistent programs over the (chunk, value head)
    items: dv, dg, dbeta per item, and dq, dk of the inputs: per (chunk, q/k head),
    summed over the head's value heads (fp32, in a fixed order), with the scale
@@ -34,6 +39,9 @@ from .reference import CHUNK
 
 WALK_WIDEST = 64  # value columns: the reverse pass's programs take at most this many
 WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST)  # the walks' choices
+# Chunks per sequence (mean) from which the walks take a forward's segments even where their own
+# plan would not split, if it leaves three quarters of the GPU idle: see walks_take_forward_segments.
+FORWARD_SEGMENTS_MIN_CHUNKS = 256
 
 
 def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):
@@ -49,7 +57,39 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
+def walks_take_forward_segments(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device) -> bool:
+    """Whether the walks run in the segments a forward kept rather than on :func:`plan_walks`.
+
+    Where that plan splits too, always (the forward's transitions save the reverse
+    pass's transition pass, its entry states the recompute's first two passes).
+    Otherwise the segments trade the walks' serial chain for three passes' worth of
+    work spread over the GPU, which pays only where the chain is long and the plan
+    leaves most SMs idle.  Measured (H100, 2026-11-25, one process, CUDA graphs, the
+    backward in the segments against on the walks' own plan, BENCHMARKS.md): one
+    sequence of 512 chunks at (2,8) heads 1.37x faster, one of 256 chunks 1.22x, two
+    of 256 chunks at (1,4) 1.22x; but two of 256 chunks at (2,8) (64 programs a walk)
+    7% slower, one of 128 chunks 8% slower.
+    """
+    own = plan_walks(total_tokens, num_seqs, num_v_heads, device)
+    programs = (hopper_forward.HEAD_DIM // own.block_v) * num_v_heads * num_seqs
+    chunks = total_tokens // (num_seqs * CHUNK)
+    return own.segment_tokens is not None or (
+        programs <= context_parallel.num_sms(device) // 4 and chunks >= FORWARD_SEGMENTS_MIN_CHUNKS)
+
+
+def plan_walks_in_segments(total_tokens: int, num_v_heads: int, forward: hopper_forward.StatePassPlan,
+                           device: torch.device) -> tuple[hopper_forward.StatePassPlan, hopper_forward.StatePassPlan]:
+    """``(recompute, reverse)`` plans for walks in the segments of a forward planned ``forward``: the
+    recompute runs the forward's plan (one pass, from the entry states it kept); the reverse pass, over
+    the same segments, takes the narrowest width whose programs fit on the SMs at once, else 64
+    columns (its widest)."""
+    segment_heads = -(-total_tokens // forward.segment_tokens) * num_v_heads
+    block_v = hopper_forward.one_wave_width(WALK_WIDTHS, segment_heads, context_parallel.num_sms(device))
+    return forward, hopper_forward.StatePassPlan(block_v, forward.segment_tokens)
+
+
+def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
+                 segments: hopper_forward.SegmentStates | None = None):
     """Steps 1-2: ``(chunk_states, chunk_state_grads, du, dh0, chunk_table)``.
 
     States ``[T // 64 + pieces + 1, Hv, K, V]`` and du are in q's dtype (the local
@@ -58,14 +98,22 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
     waits for it before returning.  Where :func:`plan_walks` splits sequences into
     segments, both walks do (``context_parallel.chain_segments``; the reverse one
     scans the segments backwards), and the states' slots are the segments':
-    ``chunk_table`` is the table whose slots they use.
+    ``chunk_table`` is the table whose slots they use.  ``segments``: the forward
+    ran in segments and kept them; where :func:`walks_take_forward_segments`, the
+    walks take its segments (:func:`plan_walks_in_segments`), the recompute is one
+    pass from its entry states, and the reverse pass's transitions are its, transposed.
     """
     from .kernels.compile import compile_program
     from .kernels.reverse_state_pass import build_reverse_state_pass
 
     hqk, hv, kdim, vdim, dtype = ops.config
     total, device, num_seqs = ops.v.shape[0], ops.v.device, ops.cu_seqlens.numel() - 1
-    plan = plan_walks(total, num_seqs, hv, device)
+    if segments is not None and not walks_take_forward_segments(total, num_seqs, hv, device):
+        segments = None
+    if segments is None:
+        recompute_plan = plan = plan_walks(total, num_seqs, hv, device)
+    else:
+        recompute_plan, plan = plan_walks_in_segments(total, hv, segments.plan, device)
     seg_len = plan.segment_tokens
     if seg_len is None:
         offsets, chunk_table = ops.cu_seqlens, ops.chunk_table
@@ -81,7 +129,7 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
     end = None if dht is None else dht.float().contiguous()
 
     def forward(values, start, last):
-        return hopper_forward.state_pass(ops, values, offsets, start, not last, None, plan,
+        return hopper_forward.state_pass(ops, values, offsets, start, not last, None, recompute_plan,
                                          chunk_states=states if last else None)
 
     def reverse(d_out, end, last):
@@ -100,14 +148,17 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht):
     with torch.cuda.stream(side):
         if seg_len is None:
             forward(ops.v, h0, True)
+        elif segments is not None:
+            forward(ops.v, segments.entry, True)
         else:
             context_parallel.chain_segments(forward, ops.v, zero() if h0 is None else h0, offsets, first_segment,
                                             num_segments)
     if seg_len is None:
         dh0 = reverse(do_packed, end, True)
     else:
+        transition = None if segments is None else segments.transition.transpose(-1, -2)
         dh0 = context_parallel.chain_segments(reverse, do_packed, zero() if end is None else end, offsets,
-                                              first_segment, num_segments, order)
+                                              first_segment, num_segments, order, transition).final
     main.wait_stream(side)
     return states, state_grads, du, dh0, chunk_table
 
@@ -134,7 +185,7 @@ def kernel_local_gradients(ops: hopper_forward.ChunkOperands, do_packed, states,
 
 
 def chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
-                   use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, segments=None):
     """The backward on Hopper; same contract as ``api.chunk_gated_delta_rule_bwd``."""
     batch, length = v.shape[:2]
     if batch * length == 0:
@@ -144,7 +195,7 @@ def chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
                                         store_inverse=True)
     do_packed = hopper_forward.packed_tokens(do.to(q.dtype))
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    states, state_grads, du, dh0, chunk_table = kernel_walks(ops, do_packed, h0, dht)
+    states, state_grads, du, dh0, chunk_table = kernel_walks(ops, do_packed, h0, dht, segments)
     dq, dk, dv, dg, dbeta = kernel_local_gradients(ops, do_packed, states, state_grads, du, chunk_table,
                                                    use_qk_l2norm_in_kernel)
     unpack = lambda x, like: x.view(*like.shape[:2], *x.shape[1:]).to(like.dtype)

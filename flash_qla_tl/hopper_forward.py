@@ -242,20 +242,47 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: Sta
     return ht
 
 
+@dataclasses.dataclass(frozen=True)
+class SegmentStates:
+    """What a forward run in segments knows that its backward's walks reuse
+    (``hopper_backward.kernel_walks``): the plan, and per segment slot its entry state
+    ``[U, Hv, K, V]`` and its transition ``M_seg`` ``[U, Hv, K, K]``, fp32
+    (``context_parallel.SegmentChain``).  16 MB for one 32K-token sequence at 8 value heads."""
+
+    plan: StatePassPlan
+    entry: torch.Tensor
+    transition: torch.Tensor
+
+
+def kept_segment_shapes(total_tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
+                        device: torch.device) -> tuple[tuple, tuple] | None:
+    """The shapes of :class:`SegmentStates`' entry states and transitions that :func:`chunk_forward` keeps
+    for such inputs, or None where it runs in no segments: from shapes alone, as the plan is."""
+    plan = plan_state_pass(total_tokens, num_seqs, num_v_heads, device)
+    if total_tokens == 0 or plan.segment_tokens is None:
+        return None
+    slots = planning.piece_slots(total_tokens, num_seqs, plan.segment_tokens)
+    return (slots, num_v_heads, head_dim_k, head_dim_v), (slots, num_v_heads, head_dim_k, head_dim_k)
+
+
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, plan: StatePassPlan | None = None):
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, plan: StatePassPlan | None = None,
+                  return_segments: bool = False):
     """The forward on Hopper; same contract as ``api.chunk_gated_delta_rule_fwd``.
 
     ``plan`` overrides :func:`plan_state_pass` (benchmarks compare plans with it).
+    ``return_segments``: return ``(o, final_state, segments)``, ``segments`` the
+    :class:`SegmentStates` of a pass run in segments, else None.
     """
     batch, length, _, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    returned = lambda o, ht, segments=None: (o, ht, segments) if return_segments else (o, ht)
     if batch * length == 0:
         o = v.new_zeros(v.shape)
         ht = (initial_state.float().clone() if initial_state is not None
               else torch.zeros(num_seqs, hv, kdim, vdim, dtype=torch.float32, device=v.device))
-        return o, (ht if output_final_state else None)
+        return returned(o, ht if output_final_state else None)
     total = batch * length
     plan = plan or plan_state_pass(total, num_seqs, hv, v.device)
     ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
@@ -263,6 +290,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     device = ops.v.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
+    segments = None
     if plan.segment_tokens is None:
         ht = state_pass(ops, ops.v, ops.cu_seqlens, h0, output_final_state, o, plan)
     else:
@@ -271,9 +299,10 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         initial = h0 if h0 is not None else torch.zeros(num_seqs, hv, kdim, vdim, device=device)
         run = lambda values, start, last: state_pass(ops, values, seg_cu, start, not last, o if last else None,
                                                      plan)
-        ht = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
+        chain = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
+        ht, segments = chain.final, SegmentStates(plan, chain.entry, chain.transition)
     zero_rows_past_last_sequence(o, ops.cu_seqlens)
-    return o.view(batch, length, hv, vdim), (ht if output_final_state else None)
+    return returned(o.view(batch, length, hv, vdim), ht if output_final_state else None, segments)
 
 
 def zero_rows_past_last_sequence(out: torch.Tensor, cu_seqlens: torch.Tensor) -> None:

@@ -92,6 +92,9 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b)))
             # context parallelism's first reverse pass (no state, no stores), its transition (no dO either)
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, False, not has_state)))
+        if all_flags:  # the recompute in the segments of a forward that ran whole-head programs in segments
+            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,
+                                              correction(128, True))))
     return out
 
 

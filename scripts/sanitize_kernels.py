@@ -6,7 +6,8 @@ Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:
 the forward under every state-pass plan (each value-block width, and context
 parallelism with its segment scan), then forward + backward through autograd
-(the recompute, the reverse walk, the local and q/k gradient kernels); then
+(the recompute, the reverse walk, the local and q/k gradient kernels), and the
+backward in the segments of forwards that kept them (narrow and whole-head); then
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
 its state once in a new tensor and once updated in place; and the layer's
 conv step and gated RMSNorm (``hopper_layer.py``).  The
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import DIFFERENTIABLE, GRAD_TOL, make_inputs, rel_rms  # noqa: E402
 
 import flash_qla_tl as fq  # noqa: E402
-from flash_qla_tl import hopper_forward, hopper_layer, hopper_recurrent, reference  # noqa: E402
+from flash_qla_tl import hopper_backward, hopper_forward, hopper_layer, hopper_recurrent, reference  # noqa: E402
 from flash_qla_tl.kernels.recurrent_step import BLOCK_WIDTHS as DECODE_WIDTHS  # noqa: E402
 
 SEQS = [1, 64, 0, 635, 300]
@@ -99,17 +100,26 @@ def main():
             continue
         names = DIFFERENTIABLE
         do, dht = torch.randn_like(o_ref).float(), torch.randn_like(s_ref).float()
-        leaves = {n: t.detach().clone().requires_grad_() if t.is_floating_point() else t for n, t in x.items()}
-        o, s = fq.chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        grads = torch.autograd.grad((o, s), [leaves[n] for n in names], (do.to(o.dtype), dht))
         ref_leaves = {n: t.detach().requires_grad_() if t.is_floating_point() else t for n, t in ref.items()}
         o_ref, s_ref = reference.chunked_gated_delta_rule(**ref_leaves, output_final_state=True,
                                                           use_qk_l2norm_in_kernel=True)
         ref_grads = torch.autograd.grad((o_ref, s_ref), [ref_leaves[n] for n in names], (do.double(), dht.double()))
-        errors = {n: rel_rms(g, r) for n, g, r in zip(names, grads, ref_grads)}
-        print(f"({hqk},{hv}) backward: relative RMS " + ", ".join(f"d{n} {e:.2e}" for n, e in errors.items()),
-              flush=True)
-        assert all(errors[n] <= GRAD_TOL[n] for n in names), errors
+        leaves = {n: t.detach().clone().requires_grad_() if t.is_floating_point() else t for n, t in x.items()}
+        o, s = fq.chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        runs = {"backward": torch.autograd.grad((o, s), [leaves[n] for n in names], (do.to(o.dtype), dht))}
+        # the walks in the segments a forward kept (the recompute from its entry states, the reverse
+        # scan with its transitions), after narrow and whole-head forwards
+        for plan in (hopper_forward.StatePassPlan(32, 256), hopper_forward.StatePassPlan(128, 256)):
+            *_, segments = hopper_forward.chunk_forward(**x, scale=None, output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True, plan=plan, return_segments=True)
+            runs[f"backward in the forward's segments {plan}"] = hopper_backward.chunk_backward(
+                *(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"], do.to(o.dtype), dht,
+                True, x["cu_seqlens"], segments)
+        for name, grads in runs.items():
+            errors = {n: rel_rms(g, r) for n, g, r in zip(names, grads, ref_grads)}
+            print(f"({hqk},{hv}) {name}: relative RMS " + ", ".join(f"d{n} {e:.2e}" for n, e in errors.items()),
+                  flush=True)
+            assert all(errors[n] <= GRAD_TOL[n] for n in names), errors
     torch.cuda.synchronize()
 
 

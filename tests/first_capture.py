@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_qla_tl as fq  # noqa: E402
-from flash_qla_tl import hopper_backward  # noqa: E402
+from flash_qla_tl import hopper_forward  # noqa: E402
 from helpers import DIFFERENTIABLE, hopper_inputs  # noqa: E402
 
 
@@ -25,8 +25,9 @@ def main():
     print("flash_qla_tl from", Path(fq.__file__).parent)
     x = hopper_inputs(hv=4, seqs=[8190], initial_state=True)
     total, num_seqs, hv = x["v"].shape[1], x["cu_seqlens"].numel() - 1, x["v"].shape[2]
-    # The walks split the long sequence into segments: both device-built layouts run under capture.
-    assert hopper_backward.plan_walks(total, num_seqs, hv, x["v"].device).segment_tokens is not None
+    # The forward splits the long sequence into segments and the walks take them: both device-built
+    # layouts run under capture.
+    assert hopper_forward.plan_state_pass(total, num_seqs, hv, x["v"].device).segment_tokens is not None
     leaves = [x[n].detach().clone().requires_grad_() for n in DIFFERENTIABLE]
     # Autograd runs the backward on the forward's stream; the legacy default stream cannot join a capture.
     forward_stream = torch.cuda.Stream()

@@ -158,21 +158,55 @@ def test_local_gradient_kernel_matches_its_torch_form(decay, l2norm, hv):
 
 @pytest.mark.parametrize("decay", ["normal", "none"])
 def test_context_parallel_walks(decay, monkeypatch):
-    """Long sequences at few heads: both walks split into segments (the reverse scan runs backwards)."""
+    """Long sequences at few heads after a forward that did not run in segments (or kept none): both walks
+    split into segments of their own (the reverse scan runs backwards)."""
     assert hopper_backward.plan_walks(32768, 1, 4, torch.device("cuda")).segment_tokens is not None
     seqs = [9000, 3001]  # segments of 2048 tokens: the last ones of both sequences are partial
+    monkeypatch.setattr(hopper_forward, "plan_state_pass", lambda *args: hopper_forward.StatePassPlan(32, None))
     monkeypatch.setattr(hopper_backward, "plan_walks", lambda *args: hopper_forward.StatePassPlan(32, 2048))
     x = _inputs(seqs=seqs, decay=decay, initial_state=True, hqk=1, hv=4)
+    _check_long(x)
+
+
+def _check_long(x, l2norm=True):
+    """``_check`` for long sequences.  The float64 reference here is the chunked backward (the spec, checked
+    against autograd elsewhere): autograd through 10K recurrence steps would take minutes."""
+    assert fq.forward_backend(x["q"], x["k"], x["v"]) == "hopper"
     do, dht = _output_grads(x)
-    got = _grads(x, do, dht, True)
-    # The float64 reference here is the chunked backward (the spec, checked against autograd
-    # elsewhere): autograd through 12K recurrence steps would take minutes.
+    got = _grads(x, do, dht, l2norm)
     ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
     want = chunked_backward.chunked_gated_delta_rule_backward(
         ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], None, ref["initial_state"], do.double(), dht.double(),
-        True, x["cu_seqlens"])
+        l2norm, x["cu_seqlens"])
     errors = {n: rel_rms(got[n], w) for n, w in zip(DIFFERENTIABLE, want)}
     assert all(errors[n] <= TOL[n] for n in errors), errors
+
+
+@pytest.mark.parametrize("seqs, plan, planned, decay, l2norm", [
+    # whole-head programs on a chain long enough for the walks to take the segments as planned;
+    # no decay: every segment's history counts
+    ([33000], (128, 2112), True, "none", False),
+    # narrow programs; both sequences end in a partial segment
+    ([9000, 3001], (32, 1536), True, "normal", True),
+    # short and empty sequences beside the segmented one (a plan the planner would not pick for them)
+    ([1, 0, 9000, 64, 700], (128, 2048), False, "strong", True),
+])
+def test_walks_in_the_forwards_segments(seqs, plan, planned, decay, l2norm, monkeypatch):
+    """A forward run in segments keeps their entry states and transitions, and the backward walks in them:
+    the recompute from the entry states, the reverse scan with the transitions transposed."""
+    x = _inputs(seqs=seqs, decay=decay, initial_state=True, hqk=1, hv=4)
+    plan = hopper_forward.StatePassPlan(*plan)
+    if planned:
+        assert hopper_forward.plan_state_pass(sum(seqs), len(seqs), 4, x["v"].device) == plan
+    else:
+        monkeypatch.setattr(hopper_forward, "plan_state_pass", lambda *args, **kwargs: plan)
+    if len(seqs) > 1:  # shorter chains than the walks take the forward's segments for
+        monkeypatch.setattr(hopper_backward, "FORWARD_SEGMENTS_MIN_CHUNKS", 0)
+    handed = []
+    walks = hopper_backward.kernel_walks
+    monkeypatch.setattr(hopper_backward, "kernel_walks", lambda *args: handed.append(args[-1]) or walks(*args))
+    _check_long(x, l2norm)
+    assert len(handed) == 1 and handed[0].plan == plan, handed
 
 
 def test_backward_replays_in_a_cuda_graph():

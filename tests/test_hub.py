@@ -402,3 +402,34 @@ def test_gpu_kernelize_matches_the_model_in_bf16(flash_qla, moe, monkeypatch):
 def test_gpu_training_step_gradients_match_the_model_in_bf16(flash_qla):
     model = tiny_model(head_dim=128, device="cuda", dtype=torch.bfloat16).train()
     check_training_step_matches(flash_qla, model, random_ids(device="cuda"), 3e-2, 1e-1)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_chunk_op_hands_its_forwards_segments_to_the_backward(flash_qla, monkeypatch):
+    """A forward run in segments (one long sequence, few heads) carries its entry states and transitions
+    to the backward as outputs of the op, eagerly and compiled (so the fake gives their shapes): the
+    gradients are the library's, and the backward's walks took the segments."""
+    vendored = sys.modules[f"{flash_qla.__name__}.flash_qla_tl.hopper_backward"]
+    handed = []
+    walks = vendored.kernel_walks
+    monkeypatch.setattr(vendored, "kernel_walks", lambda *args: handed.append(args[-1]) or walks(*args))
+    x = make_inputs(seqs=[16384], hqk=1, hv=4, kdim=128, vdim=128, dtype=torch.bfloat16, device="cuda",
+                    initial_state=True)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def loss(fn, args):
+        o, state = fn(*args[:5], initial_state=args[5], cu_seqlens=x["cu_seqlens"], output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+        return o.float().square().sum() + state.square().sum()
+
+    grads = []
+    for fn in (flash_qla.chunk_gated_delta_rule, torch.compile(flash_qla.chunk_gated_delta_rule, fullgraph=True,
+                                                              backend="aot_eager"), flash_qla_tl.chunk_gated_delta_rule):
+        args = [x[n].clone().requires_grad_() for n in names]
+        loss(fn, args).backward()
+        grads.append([a.grad for a in args])
+    assert len(handed) == 2 and all(h is not None and h.plan.segment_tokens for h in handed), handed
+    for op_grads in grads[:2]:
+        assert all(rel_rms(a, b) < 1e-6 for a, b in zip(op_grads, grads[2])), [rel_rms(a, b) for a, b in
+                                                                                 zip(op_grads, grads[2])]

@@ -122,6 +122,31 @@ def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeyp
     assert hopper_backward.plan_walks(32768, seqs, heads, None) == walks
 
 
+@pytest.mark.parametrize("total, seqs, heads, reverse", [
+    # 16 whole-head segments at 8 heads: 128 (segment, head) pairs; 64-column reverse programs, the widest
+    (32768, 1, 8, hopper_forward.StatePassPlan(64, 2048)),
+    # 4 segments of 32 columns at 8 heads: 32-column reverse programs fit in one wave
+    (8192, 1, 8, hopper_forward.StatePassPlan(32, 2048)),
+])
+def test_walks_in_the_forwards_segments_are_planned(total, seqs, heads, reverse, monkeypatch):
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
+    forward = hopper_forward.plan_state_pass(total, seqs, heads, None)
+    assert hopper_backward.plan_walks_in_segments(total, heads, forward, None) == (forward, reverse)
+
+
+@pytest.mark.parametrize("total, seqs, heads, taken", [
+    (32768, 1, 8, True),  # a chain of 512 chunks, 32 programs a walk
+    (16384, 1, 8, True),  # 256 chunks
+    (32768, 2, 4, True),
+    (32768, 2, 8, False),  # 256 chunks, but 64 programs a walk
+    (8192, 1, 8, False),  # 128 chunks
+    (16384, 1, 4, True),  # the walks' own plan splits too (16 programs of 32 columns on 66 SMs)
+])
+def test_when_walks_take_the_forwards_segments(total, seqs, heads, taken, monkeypatch):
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
+    assert hopper_backward.walks_take_forward_segments(total, seqs, heads, None) == taken
+
+
 @pytest.mark.parametrize("total, seqs, heads, plan", [
     (32768, 1, 8, hopper_forward.StatePassPlan(128, 2048)),  # 16 segments of whole heads
     (32768, 2, 8, hopper_forward.StatePassPlan(128, 2048)),  # 8 segments per sequence

@@ -18,12 +18,9 @@ import torch
 from torch import Tensor
 
 from ._ops import add_op_namespace_prefix
-from .flash_qla_tl import (
-    chunk_gated_delta_rule_bwd,
-    chunk_gated_delta_rule_fwd,
-    fused_recurrent_gated_delta_rule_fwd,
-)
+from .flash_qla_tl import chunk_gated_delta_rule_bwd, fused_recurrent_gated_delta_rule_fwd
 from .flash_qla_tl import fused_recurrent_gated_delta_rule as _recurrent_forward
+from .flash_qla_tl.api import chunk_forward_and_segments, kept_segment_shapes, segments_from_tensors
 from .flash_qla_tl.reference import compute_dtype_for, layer_gates
 from .flash_qla_tl.validation import (
     check_inplace_state, check_inputs, check_kwargs, check_layer_gates, requires_grad,
@@ -42,17 +39,24 @@ def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, u
     # runs here, in the op body, because checking `cu_seqlens` reads its values
     # on the host, which would break a traced graph.
     check_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    return chunk_gated_delta_rule_fwd(
+    return chunk_forward_and_segments(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
     )
 
 
-def _register(name: str, forward: Callable) -> Callable:
+def _recurrent_forward_and_segments(*args):
+    return (*_recurrent_forward(*args), None)
+
+
+def _register(name: str, forward: Callable, segment_shapes: Callable) -> Callable:
     """Register `name` (forward `forward`) and `name_bwd`, and wire them into autograd.
 
     Both operators compute the same function (the recurrent and the chunked
     forms are exact), so both differentiate through the library's chunked
-    backward.
+    backward.  `forward` returns `(o, final_state, segments)`: what a forward run
+    in segments keeps for its backward (`flash_qla_tl.api.chunk_forward_and_segments`)
+    travels as two more outputs, its entry states and transitions, which
+    `segment_shapes(q, k, v, cu_seqlens)` gives the fake implementation (None: none kept).
     """
 
     @torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=())
@@ -67,19 +71,22 @@ def _register(name: str, forward: Callable) -> Callable:
         output_final_state: bool,
         use_qk_l2norm_in_kernel: bool,
         cu_seqlens: Optional[Tensor],
-    ) -> tuple[Tensor, Tensor]:
-        o, final_state = forward(
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        o, final_state, segments = forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
         )
-        return o.contiguous(), _absent_like(q) if final_state is None else final_state
+        kept = (_absent_like(q), _absent_like(q)) if segments is None else (segments.entry, segments.transition)
+        return o.contiguous(), _absent_like(q) if final_state is None else final_state, *kept
 
     @forward_op.register_fake
     def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
-        if not output_final_state:
-            return v.new_empty(v.shape), _absent_like(q)
         num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         state_shape = (num_seqs, v.shape[2], k.shape[3], v.shape[3])
-        return v.new_empty(v.shape), q.new_empty(state_shape, dtype=compute_dtype_for(q))
+        final_state = q.new_empty(state_shape, dtype=compute_dtype_for(q)) if output_final_state else _absent_like(q)
+        shapes = segment_shapes(q, k, v, cu_seqlens)
+        kept = [_absent_like(q), _absent_like(q)] if shapes is None else [q.new_empty(s, dtype=torch.float32)
+                                                                            for s in shapes]
+        return v.new_empty(v.shape), final_state, *kept
 
     @torch.library.custom_op(add_op_namespace_prefix(f"{name}_bwd"), mutates_args=())
     def backward_op(
@@ -94,31 +101,36 @@ def _register(name: str, forward: Callable) -> Callable:
         dht: Optional[Tensor],
         use_qk_l2norm_in_kernel: bool,
         cu_seqlens: Optional[Tensor],
+        segment_entry: Tensor,
+        segment_transition: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        segments = segments_from_tensors(q, v, cu_seqlens, segment_entry, segment_transition)
         *grads, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens
+            q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens, segments
         )
         # Contiguous, as the fake implementation promises.
         return (*(d.contiguous() for d in grads), _absent_like(q) if dh0 is None else dh0.contiguous())
 
     @backward_op.register_fake
-    def _(q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens):
+    def _(q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens, segment_entry,
+          segment_transition):
         dh0 = _absent_like(q) if initial_state is None else initial_state.new_empty(initial_state.shape)
         return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), dh0)
 
     def setup_context(ctx, inputs, output):
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens = inputs
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
+        ctx.mark_non_differentiable(*output[2:])
         ctx.scale = scale
         ctx.output_final_state = output_final_state
         ctx.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel
 
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    def backward(ctx, do, dht, *kept_grads):  # the kept segments have no gradient
+        q, k, v, g, beta, initial_state, cu_seqlens, *segments = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = backward_op(
             q, k, v, g, beta, ctx.scale, initial_state, do,
             dht if ctx.output_final_state else None,
-            ctx.use_qk_l2norm_in_kernel, cu_seqlens,
+            ctx.use_qk_l2norm_in_kernel, cu_seqlens, *segments,
         )
         return dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0, None, None, None
 
@@ -126,8 +138,9 @@ def _register(name: str, forward: Callable) -> Callable:
     return forward_op
 
 
-_chunk_op = _register("chunk_gated_delta_rule", _chunk_forward)
-_recurrent_op = _register("fused_recurrent_gated_delta_rule", _recurrent_forward)
+_chunk_op = _register("chunk_gated_delta_rule", _chunk_forward, kept_segment_shapes)
+_recurrent_op = _register("fused_recurrent_gated_delta_rule", _recurrent_forward_and_segments,
+                          lambda q, k, v, cu_seqlens: None)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("fused_recurrent_gated_delta_rule_inplace"), mutates_args=("state",))
@@ -163,7 +176,8 @@ def _(q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens, A_log
 
 def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, kwargs):
     check_kwargs(kwargs)
-    o, final_state = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    o, final_state, *_ = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                            cu_seqlens)
     return o, final_state if output_final_state else None
 
 
