@@ -126,18 +126,21 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
         o, final_state, segments = cls.forward_fn(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
         )
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        # The segments' tensors are saved like the inputs, so that activation checkpointing
+        # drops and recomputes them too.
+        kept = (None, None) if segments is None else (segments.entry, segments.transition)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *kept)
         ctx.scale, ctx.use_qk_l2norm_in_kernel = scale, use_qk_l2norm_in_kernel
-        # Intermediates (not inputs or outputs): held by the context, freed with the graph.
-        ctx.segments = segments if any(ctx.needs_input_grad) else None
+        ctx.segment_plan = None if segments is None else segments.plan
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, entry, transition = ctx.saved_tensors
+        segments = None if entry is None else hopper_forward.SegmentStates(ctx.segment_plan, entry, transition)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             q, k, v, g, beta, ctx.scale, initial_state, do, dht, ctx.use_qk_l2norm_in_kernel, cu_seqlens,
-            ctx.segments
+            segments
         )
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_qla_tl as fq
-from flash_qla_tl import reference
+from flash_qla_tl import chunked_backward, reference
 from helpers import make_inputs, rel_rms
 
 
@@ -213,3 +213,37 @@ def test_inference_mode_with_packed_sequences():
         o_moved, _ = fq.chunk_gated_delta_rule(**{**x, "cu_seqlens": cu})
     want, _ = reference.recurrent_gated_delta_rule(**{**x, "cu_seqlens": torch.tensor([0, 2, 5, 75])})
     assert rel_rms(o_moved, want) < 1e-10 and not torch.equal(o, o_moved)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_the_forwards_segments_reach_its_backward(checkpointed, monkeypatch):
+    """What a forward run in segments keeps (``hopper_forward.SegmentStates``) reaches its backward; under
+    non-reentrant activation checkpointing as a recomputed copy (it is saved like the inputs, so
+    checkpointing drops it).  The Hopper functions are stood in for on the CPU."""
+    from flash_qla_tl import api, hopper_forward
+
+    plan = hopper_forward.StatePassPlan(128, 2048)
+    made, handed = [], []
+
+    def forward(*args):
+        o, state = reference.chunked_gated_delta_rule(*args)
+        made.append(hopper_forward.SegmentStates(plan, torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4)))
+        return o, state, made[-1]
+
+    def backward(*args):
+        handed.append(args[-1])
+        return chunked_backward.chunked_gated_delta_rule_backward(*args[:-1])
+
+    monkeypatch.setattr(api.ChunkGatedDeltaRule, "forward_fn", staticmethod(forward))
+    monkeypatch.setattr(api, "chunk_gated_delta_rule_bwd", backward)
+    x = make_inputs(seqs=[5, 9], hqk=1, hv=2, kdim=4, vdim=4, dtype=torch.float64, initial_state=True)
+    leaves = {n: t.requires_grad_() for n, t in x.items() if t.is_floating_point()}
+    run = lambda *tensors: fq.chunk_gated_delta_rule(*tensors, cu_seqlens=x["cu_seqlens"],
+                                                     output_final_state=True)[0].sum()
+    args = [leaves[n] for n in ("q", "k", "v", "g", "beta")] + [None, leaves["initial_state"]]
+    loss = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False) if checkpointed else run(*args)
+    loss.backward()
+    assert len(made) == 1 + checkpointed and len(handed) == 1
+    assert handed[0].plan == plan
+    assert torch.equal(handed[0].entry, made[-1].entry) and torch.equal(handed[0].transition, made[-1].transition)
+    assert all(t.grad is not None for t in leaves.values())
