@@ -74,9 +74,8 @@ def kept_segment_shapes(q, k, v, cu_seqlens=None) -> tuple[tuple, tuple] | None:
     implementation)."""
     if forward_backend(q, k, v) != "hopper":
         return None
-    batch, length, _, kdim = q.shape
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return hopper_forward.kept_segment_shapes(batch * length, num_seqs, v.shape[2], kdim, v.shape[3], q.device)
+    total, num_seqs = _tokens_and_sequences(q, cu_seqlens)
+    return hopper_forward.kept_segment_shapes(total, num_seqs, v.shape[2], k.shape[3], v.shape[3], q.device)
 
 
 def segments_from_tensors(q, v, cu_seqlens, entry, transition):
@@ -84,10 +83,14 @@ def segments_from_tensors(q, v, cu_seqlens, entry, transition):
     forward to its backward (``chunk_forward_and_segments``' segments; empty tensors: none)."""
     if entry.numel() == 0:
         return None
-    batch, length = q.shape[:2]
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    plan = hopper_forward.plan_state_pass(batch * length, num_seqs, v.shape[2], q.device)
+    plan = hopper_forward.plan_state_pass(*_tokens_and_sequences(q, cu_seqlens), v.shape[2], q.device)
     return hopper_forward.SegmentStates(plan, entry, transition)
+
+
+def _tokens_and_sequences(q, cu_seqlens) -> tuple[int, int]:
+    """``(B * T, N)`` from shapes alone: the planners' arguments."""
+    batch, length = q.shape[:2]
+    return batch * length, batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
 def recurrent_forward_and_segments(*args):

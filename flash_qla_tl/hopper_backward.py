@@ -64,8 +64,9 @@ def walks_take_forward_segments(total_tokens: int, num_seqs: int, num_v_heads: i
     pass's transition pass, its entry states the recompute's first two passes).
     Otherwise the segments trade the walks' serial chain for three passes' worth of
     work spread over the GPU, which pays only where the chain is long and the plan
-    leaves most SMs idle.  Measured (H100, 2026-11-25, one process, CUDA graphs, the
-    backward in the segments against on the walks' own plan, BENCHMARKS.md): one
+    leaves most SMs idle.  Measured (H100, 2026-11-25, torch 2.11.0+cu130, tilelang
+    0.1.15, one process, CUDA graphs, ``bench_backward.py``, the backward in the
+    segments against on the walks' own plan, BENCHMARKS.md): one
     sequence of 512 chunks at (2,8) heads 1.37x faster, one of 256 chunks 1.22x, two
     of 256 chunks at (1,4) 1.22x; but two of 256 chunks at (2,8) (64 programs a walk)
     7% slower, one of 128 chunks 8% slower.

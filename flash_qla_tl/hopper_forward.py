@@ -247,7 +247,8 @@ class SegmentStates:
     """What a forward run in segments knows that its backward's walks reuse
     (``hopper_backward.kernel_walks``): the plan, and per segment slot its entry state
     ``[U, Hv, K, V]`` and its transition ``M_seg`` ``[U, Hv, K, K]``, fp32
-    (``context_parallel.SegmentChain``).  16 MB for one 32K-token sequence at 8 value heads."""
+    (``context_parallel.SegmentChain``).  18 MB for one 32K-token sequence at 8 value heads
+    (17 slots of 2048 tokens: the planner's bound on the segment count)."""
 
     plan: StatePassPlan
     entry: torch.Tensor
