@@ -158,6 +158,7 @@ def test_narrow_programs_correct_values_in_the_chain(block_v):
     (16, 32, "bfloat16", True, 64),
     (2, 8, "float16", False, 32),
     (2, 6, "bfloat16", True, 64),  # Hv not a multiple of the gates' TMA box of 4 heads
+    (2, 8, "bfloat16", True, 128),  # whole heads: Q's rows gated in place, no gated dO copy
 ])
 def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     """The backward's recompute (the forward storing every chunk's entering state, no output) and reverse pass;

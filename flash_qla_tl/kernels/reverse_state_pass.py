@@ -33,7 +33,11 @@ K dS', dS = exp2(gamma_last) dS' + Kbar^T dU, without dO, q, P or their GEMMs).
 Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
 tensor-core work per chunk, ``dS' -> dU -> dS``), 1 prepares the next chunk's
 state-independent operands (``Kbar``, ``P``, ``diag(og) dO``) into a two-stage
-smem ring, 1 issues the TMA loads.  Masking follows the forward: padded rows of
+smem ring, 1 issues the TMA loads.  Whole-head (128-column) programs gate Q's
+rows in place instead (``Q^T diag(og) dO = (diag(og) Q)^T dO``, after prep's
+``Q K^T`` has read them; rows past n selected to 0): a gated copy of a
+64 x 128 dO tile per stage is the 32 KB their shared memory lacks (219,648 B
+with it gone).  Masking follows the forward: padded rows of
 k and dO are zeroed before any GEMM reads them, ``Kbar``'s and ``dU``'s padded
 rows are selects to 0 (A_keys rows past a sequence's end may hold anything).
 """
@@ -67,7 +71,10 @@ def build_reverse_state_pass(
 
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
-    assert C == 64 and num_v_heads % num_qk_heads == 0 and V % block_v == 0 and block_v <= 64
+    assert C == 64 and num_v_heads % num_qk_heads == 0 and V % block_v == 0 and block_v in (32, 64, 128)
+    # Whole-head programs gate Q's rows in place (prep, after its Q K^T) instead of writing a gated
+    # copy of dO: 32 KB of shared memory that 128 columns do not have (module docstring).
+    gate_queries = block_v == 128
     assert STAGES == 2  # the operand rings are picked by stage parity
     group = num_v_heads // num_qk_heads
     accum = "float32"
@@ -116,7 +123,8 @@ def build_reverse_state_pass(
             # 4-byte store per two elements, into a whole 2-D buffer to stmatrix (chunk_forward's P).
             kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(STAGES)]  # Ak K, 0 past n
             p_op = [T.alloc_shared([C, C], dtype) for _ in range(STAGES)]  # P
-            gated_do_op = T.alloc_shared([STAGES, C, block_v], dtype)  # diag(og) dO
+            if not gate_queries:
+                gated_do_op = T.alloc_shared([STAGES, C, block_v], dtype)  # diag(og) dO
             decay_to_end = T.alloc_shared([STAGES, C], accum)  # dte, 0 past n
             chunk_decay = T.alloc_shared([STAGES], accum)  # exp2(gamma_last)
             loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
@@ -163,7 +171,10 @@ def build_reverse_state_pass(
                     for d, j in T.Parallel(K, block_v):
                         ds[d, j] = ds[d, j] * chunk_decay[st]
                     if read_output_grad:
-                        T.wgmma_gemm(q_tile[st, :, :], gated_do_op[st, :, :], ds, transpose_A=True)
+                        if gate_queries:  # q_tile holds diag(og) Q
+                            T.wgmma_gemm(q_tile[st, :, :], do_tile[st, :, :], ds, transpose_A=True)
+                        else:
+                            T.wgmma_gemm(q_tile[st, :, :], gated_do_op[st, :, :], ds, transpose_A=True)
                         T.wait_wgmma(1)
                     else:
                         T.wait_wgmma(0)
@@ -214,11 +225,16 @@ def build_reverse_state_pass(
                         )
                         if r == 0:
                             chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
-                    if read_output_grad:
+                    if read_output_grad and not gate_queries:
                         for r, j in T.Parallel(C, block_v):
                             gated_do_op[st, r, j] = do_tile[st, r, j] * (
                                 T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn])
                     T.wait_wgmma(0)
+                    if read_output_grad and gate_queries:  # Q K^T has read q_tile; rows past n may be NaN
+                        for r, d in T.Parallel(C, K):
+                            q_tile[st, r, d] = T.cast(T.Select(
+                                r < n, q_tile[st, r, d] * (T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn]),
+                                T.float32(0)), dtype)
 
                     if read_output_grad:
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)  # P, as the forward
