@@ -225,10 +225,11 @@ def build_reverse_state_pass(
                         )
                         if r == 0:
                             chunk_decay[st] = T.exp2(gamma_tile[st, n - 1, hg])
-                    if read_output_grad and not gate_queries:
+                    if read_output_grad and not gate_queries:  # rows past n: gamma may be inf there
                         for r, j in T.Parallel(C, block_v):
-                            gated_do_op[st, r, j] = do_tile[st, r, j] * (
-                                T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn])
+                            gated_do_op[st, r, j] = T.cast(T.Select(
+                                r < n, do_tile[st, r, j] * (T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn]),
+                                T.float32(0)), dtype)
                     T.wait_wgmma(0)
                     if read_output_grad and gate_queries:  # Q K^T has read q_tile; rows past n may be NaN
                         for r, d in T.Parallel(C, K):
