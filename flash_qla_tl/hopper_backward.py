@@ -37,7 +37,9 @@ from .chunked_backward import chunked_gated_delta_rule_backward
 from .reference import CHUNK
 
 
-WALK_WIDEST = 64  # value columns: the reverse pass's programs take at most this many
+# Value columns of the walks' own plan at most (measured up to 64: compare_plans.py --backward); in a
+# forward's segments the reverse pass may take whole heads (plan_walks_in_segments).
+WALK_WIDEST = 64
 WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST)  # the walks' choices
 # Chunks per sequence (mean) from which the walks take a forward's segments even where their own
 # plan would not split, if it leaves three quarters of the GPU idle: see walks_take_forward_segments.
@@ -82,10 +84,11 @@ def plan_walks_in_segments(total_tokens: int, num_v_heads: int, forward: hopper_
                            device: torch.device) -> tuple[hopper_forward.StatePassPlan, hopper_forward.StatePassPlan]:
     """``(recompute, reverse)`` plans for walks in the segments of a forward planned ``forward``: the
     recompute runs the forward's plan (one pass, from the entry states it kept); the reverse pass, over
-    the same segments, takes the narrowest width whose programs fit on the SMs at once, else 64
-    columns (its widest)."""
+    the same segments, takes the narrowest width whose programs fit on the SMs at once, else whole
+    heads."""
     segment_heads = -(-total_tokens // forward.segment_tokens) * num_v_heads
-    block_v = hopper_forward.one_wave_width(WALK_WIDTHS, segment_heads, context_parallel.num_sms(device))
+    block_v = hopper_forward.one_wave_width(hopper_forward.BLOCK_WIDTHS, segment_heads,
+                                            context_parallel.num_sms(device))
     return forward, hopper_forward.StatePassPlan(block_v, forward.segment_tokens)
 
 

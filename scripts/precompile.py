@@ -92,9 +92,15 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b)))
             # context parallelism's first reverse pass (no state, no stores), its transition (no dO either)
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, False, not has_state)))
-        if all_flags:  # the recompute in the segments of a forward that ran whole-head programs in segments
+        if all_flags:  # in the segments of a forward that ran whole-head programs in segments: the
+            # recompute, and the reverse pass's first and last passes at whole heads
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,
                                               correction(128, True))))
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, 128, False, True)))
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, True, 128)))
+            # the recompute at whole heads over whole sequences (the GPU tests' walks at every width)
+            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,
+                                              correction(128))))
     return out
 
 

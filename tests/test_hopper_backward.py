@@ -129,8 +129,11 @@ def _kernel_and_torch_walks(x, do, dht, l2norm=True):
     return ops, do_packed, walks, c, d_out, torch_walks, in_chunks
 
 
-def test_kernel_walks_match_the_torch_walks():
-    """Each walk alone: the recompute's entering states, dU, dS' and dh0 against PyTorch's, in fp32."""
+@pytest.mark.parametrize("block_v", [32, 64, 128])
+def test_kernel_walks_match_the_torch_walks(block_v, monkeypatch):
+    """Each walk alone, at each width: the recompute's entering states, dU, dS' and dh0 against PyTorch's,
+    in fp32."""
+    monkeypatch.setattr(hopper_backward, "plan_walks", lambda *args: hopper_forward.StatePassPlan(block_v, None))
     x = _inputs(seqs=[70, 0, 300, 1], initial_state=True)
     do, dht = _output_grads(x)
     *_, torch_walks, kernel_walks = _kernel_and_torch_walks(x, do, dht)

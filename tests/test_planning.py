@@ -123,8 +123,8 @@ def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeyp
 
 
 @pytest.mark.parametrize("total, seqs, heads, reverse", [
-    # 16 whole-head segments at 8 heads: 128 (segment, head) pairs; 64-column reverse programs, the widest
-    (32768, 1, 8, hopper_forward.StatePassPlan(64, 2048)),
+    # 16 whole-head segments at 8 heads: 128 (segment, head) pairs; whole-head reverse programs fill one wave
+    (32768, 1, 8, hopper_forward.StatePassPlan(128, 2048)),
     # 4 segments of 32 columns at 8 heads: 32-column reverse programs fit in one wave
     (8192, 1, 8, hopper_forward.StatePassPlan(32, 2048)),
 ])
