@@ -42,10 +42,13 @@ def chunk_forward_and_segments(q, k, v, g, beta, scale, initial_state, output_fi
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     """:func:`chunk_gated_delta_rule_fwd` that also returns what its backward reuses:
     ``(o, final_state, segments)``, ``segments`` the ``hopper_forward.SegmentStates`` of a
-    Hopper forward run in segments (context parallelism), else None."""
+    Hopper forward run in segments (context parallelism) where the backward's walks take them
+    (``hopper_backward.walks_take_forward_segments``), else None."""
     if forward_backend(q, k, v) == "hopper":
-        return hopper_forward.chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                            use_qk_l2norm_in_kernel, cu_seqlens, return_segments=True)
+        o, final_state, segments = hopper_forward.chunk_forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            return_segments=True)
+        return o, final_state, segments if _backward_takes_segments(q, v, cu_seqlens) else None
     return (*reference.chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 use_qk_l2norm_in_kernel, cu_seqlens), None)
 
@@ -72,7 +75,7 @@ def kept_segment_shapes(q, k, v, cu_seqlens=None) -> tuple[tuple, tuple] | None:
     """The shapes ``(entry, transition)`` of the segments :func:`chunk_forward_and_segments` keeps for
     such inputs, or None where it keeps none; from shapes alone, no kernel runs (a custom op's fake
     implementation)."""
-    if forward_backend(q, k, v) != "hopper":
+    if forward_backend(q, k, v) != "hopper" or not _backward_takes_segments(q, v, cu_seqlens):
         return None
     total, num_seqs = _tokens_and_sequences(q, cu_seqlens)
     return hopper_forward.kept_segment_shapes(total, num_seqs, v.shape[2], k.shape[3], v.shape[3], q.device)
@@ -85,6 +88,13 @@ def segments_from_tensors(q, v, cu_seqlens, entry, transition):
         return None
     plan = hopper_forward.plan_state_pass(*_tokens_and_sequences(q, cu_seqlens), v.shape[2], q.device)
     return hopper_forward.SegmentStates(plan, entry, transition)
+
+
+def _backward_takes_segments(q, v, cu_seqlens) -> bool:
+    """Whether the backward's walks would run in the segments of a forward of these shapes (where it
+    runs in some): only then does the forward keep them."""
+    return hopper_backward.walks_take_forward_segments(*_tokens_and_sequences(q, cu_seqlens), v.shape[2],
+                                                       q.device)
 
 
 def _tokens_and_sequences(q, cu_seqlens) -> tuple[int, int]:

@@ -73,6 +73,8 @@ def walks_take_forward_segments(total_tokens: int, num_seqs: int, num_v_heads: i
     of 256 chunks at (1,4) 1.22x; but two of 256 chunks at (2,8) (64 programs a walk)
     7% slower, one of 128 chunks 8% slower.
     """
+    if total_tokens == 0:
+        return False
     own = plan_walks(total_tokens, num_seqs, num_v_heads, device)
     programs = (hopper_forward.HEAD_DIM // own.block_v) * num_v_heads * num_seqs
     chunks = total_tokens // (num_seqs * CHUNK)
@@ -103,17 +105,16 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
     segments, both walks do (``context_parallel.chain_segments``; the reverse one
     scans the segments backwards), and the states' slots are the segments':
     ``chunk_table`` is the table whose slots they use.  ``segments``: the forward
-    ran in segments and kept them; where :func:`walks_take_forward_segments`, the
-    walks take its segments (:func:`plan_walks_in_segments`), the recompute is one
-    pass from its entry states, and the reverse pass's transitions are its, transposed.
+    ran in segments and kept them (``api.chunk_forward_and_segments`` keeps them where
+    :func:`walks_take_forward_segments`): the walks take its segments
+    (:func:`plan_walks_in_segments`), the recompute is one pass from its entry states,
+    and the reverse pass's transitions are its, transposed.
     """
     from .kernels.compile import compile_program
     from .kernels.reverse_state_pass import build_reverse_state_pass
 
     hqk, hv, kdim, vdim, dtype = ops.config
     total, device, num_seqs = ops.v.shape[0], ops.v.device, ops.cu_seqlens.numel() - 1
-    if segments is not None and not walks_take_forward_segments(total, num_seqs, hv, device):
-        segments = None
     if segments is None:
         recompute_plan = plan = plan_walks(total, num_seqs, hv, device)
     else:

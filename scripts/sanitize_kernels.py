@@ -108,11 +108,14 @@ def main():
         o, s = fq.chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
         runs = {"backward": torch.autograd.grad((o, s), [leaves[n] for n in names], (do.to(o.dtype), dht))}
         # the walks in the segments a forward kept (the recompute from its entry states, the reverse
-        # scan with its transitions), after narrow and whole-head forwards
-        for plan in (hopper_forward.StatePassPlan(32, 256), hopper_forward.StatePassPlan(128, 256)):
+        # scan with its transitions), after narrow and whole-head forwards; in one-chunk segments
+        # (16 x Hv of them) the reverse pass takes whole heads on 132 SMs (plan_walks_in_segments)
+        for plan in (hopper_forward.StatePassPlan(32, 256), hopper_forward.StatePassPlan(128, 256),
+                     hopper_forward.StatePassPlan(128, 64)):
+            reverse = hopper_backward.plan_walks_in_segments(sum(SEQS), hv, plan, x["v"].device)[1]
             *_, segments = hopper_forward.chunk_forward(**x, scale=None, output_final_state=True,
                                                         use_qk_l2norm_in_kernel=True, plan=plan, return_segments=True)
-            runs[f"backward in the forward's segments {plan}"] = hopper_backward.chunk_backward(
+            runs[f"backward in the forward's segments {plan}, reverse {reverse}"] = hopper_backward.chunk_backward(
                 *(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"], do.to(o.dtype), dht,
                 True, x["cu_seqlens"], segments)
         for name, grads in runs.items():

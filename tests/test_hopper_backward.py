@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flash_qla_tl as fq
-from flash_qla_tl import chunked_backward, hopper_backward, hopper_forward, reference
+from flash_qla_tl import chunked_backward, context_parallel, hopper_backward, hopper_forward, reference
 from helpers import DIFFERENTIABLE, GRAD_TOL as TOL, HOPPER, hopper_inputs, make_inputs, rel_rms
 
 pytestmark = HOPPER
@@ -185,31 +185,37 @@ def _check_long(x, l2norm=True):
     assert all(errors[n] <= TOL[n] for n in errors), errors
 
 
-@pytest.mark.parametrize("seqs, plan, planned, decay, l2norm", [
+@pytest.mark.parametrize("seqs, plan, planned, reverse_block_v, decay, l2norm", [
     # whole-head programs on a chain long enough for the walks to take the segments as planned;
-    # no decay: every segment's history counts
-    ([33000], (128, 2112), True, "none", False),
+    # no decay: every segment's history counts; 64 (segment, head) pairs
+    ([33000], (128, 2112), True, 64, "none", False),
     # narrow programs; both sequences end in a partial segment
-    ([9000, 3001], (32, 1536), True, "normal", True),
-    # short and empty sequences beside the segmented one (a plan the planner would not pick for them)
-    ([1, 0, 9000, 64, 700], (128, 2048), False, "strong", True),
+    ([9000, 3001], (32, 1536), True, 32, "normal", True),
+    # short and empty sequences beside the segmented one (a plan the planner would not pick for them);
+    # 80 (segment, head) pairs
+    ([1, 0, 9000, 64, 700], (128, 512), False, 128, "strong", True),
 ])
-def test_walks_in_the_forwards_segments(seqs, plan, planned, decay, l2norm, monkeypatch):
+def test_walks_in_the_forwards_segments(seqs, plan, planned, reverse_block_v, decay, l2norm, monkeypatch):
     """A forward run in segments keeps their entry states and transitions, and the backward walks in them:
-    the recompute from the entry states, the reverse scan with the transitions transposed."""
+    the recompute from the entry states, the reverse scan with the transitions transposed, at each of the
+    reverse pass's widths (planned as on 132 SMs)."""
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
     x = _inputs(seqs=seqs, decay=decay, initial_state=True, hqk=1, hv=4)
     plan = hopper_forward.StatePassPlan(*plan)
     if planned:
         assert hopper_forward.plan_state_pass(sum(seqs), len(seqs), 4, x["v"].device) == plan
     else:
         monkeypatch.setattr(hopper_forward, "plan_state_pass", lambda *args, **kwargs: plan)
-    if len(seqs) > 1:  # shorter chains than the walks take the forward's segments for
-        monkeypatch.setattr(hopper_backward, "FORWARD_SEGMENTS_MIN_CHUNKS", 0)
-    handed = []
-    walks = hopper_backward.kernel_walks
+    if len(seqs) > 1:  # shorter chains than the walks take the forward's segments for: taken all the same
+        monkeypatch.setattr(hopper_backward, "walks_take_forward_segments", lambda *args: True)
+    handed, planned_walks = [], []
+    walks, plan_walks = hopper_backward.kernel_walks, hopper_backward.plan_walks_in_segments
     monkeypatch.setattr(hopper_backward, "kernel_walks", lambda *args: handed.append(args[-1]) or walks(*args))
+    monkeypatch.setattr(hopper_backward, "plan_walks_in_segments",
+                        lambda *args: planned_walks.append(plan_walks(*args)) or planned_walks[-1])
     _check_long(x, l2norm)
-    assert len(handed) == 1 and handed[0].plan == plan, handed
+    assert len(handed) == 1 and handed[0] is not None and handed[0].plan == plan, handed
+    assert planned_walks == [(plan, hopper_forward.StatePassPlan(reverse_block_v, plan.segment_tokens))]
 
 
 def test_backward_replays_in_a_cuda_graph():
