@@ -48,7 +48,7 @@ FORWARD_SEGMENTS_MIN_CHUNKS = 256
 
 def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):
     """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs,
-    and both take the same width, which the reverse pass caps at 64 columns."""
+    and both take the same width, at most WALK_WIDEST columns."""
     return hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device,
                                           context_parallel.num_sms(device) // 2, widest=WALK_WIDEST)
 
