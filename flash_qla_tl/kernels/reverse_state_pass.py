@@ -33,7 +33,18 @@ K dS', dS = exp2(gamma_last) dS' + Kbar^T dU, without dO, q, P or their GEMMs).
 Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
 tensor-core work per chunk, ``dS' -> dU -> dS``), 1 prepares the next chunk's
 state-independent operands (``Kbar``, ``P``, ``diag(og) dO``) into a two-stage
-smem ring, 1 issues the TMA loads.  Whole-head (128-column) programs gate Q's
+smem ring, 1 issues the TMA loads.
+
+Narrow programs (32 and 64 columns) form no ``Kbar``: with ``Kbar = Ak K``,
+
+    Kbar^T dU = K^T (Ak^T dU)
+
+two dependent GEMMs in the chain's second round instead of one.  ``Ak K``
+(64 x 64 x K) and its 64 x K copy do not depend on the value block, so prep
+repeated them for every block of a head, and the chain waited for prep ~1250 of
+~3470 cycles per chunk at 32 columns, ~1600 of ~4080 at 64 (clock64 traces,
+H100, notes/backward-budget.md): the forward's narrow chain made the same trade
+(chunk_forward's ``"in_chain"``).  Whole-head programs keep ``Kbar`` in prep.  Whole-head (128-column) programs gate Q's
 rows in place instead (``Q^T diag(og) dO = (diag(og) Q)^T dO``, after prep's
 ``Q K^T`` has read them; rows past n selected to 0): a gated copy of a
 64 x 128 dO tile per stage is the 32 KB their shared memory lacks (219,648 B
@@ -75,6 +86,7 @@ def build_reverse_state_pass(
     # Whole-head programs gate Q's rows in place (prep, after its Q K^T) instead of writing a gated
     # copy of dO: 32 KB of shared memory that 128 columns do not have (module docstring).
     gate_queries = block_v == 128
+    kbar_in_prep = block_v == 128  # narrow programs: K^T (Ak^T dU) in the chain (module docstring)
     assert STAGES == 2  # the operand rings are picked by stage parity
     group = num_v_heads // num_qk_heads
     accum = "float32"
@@ -121,7 +133,8 @@ def build_reverse_state_pass(
             # Operand ring (prep).  Kbar's and P's are two 2-D buffers each, picked by stage
             # parity: prep's copy of an accumulator into a slice of a 3-D buffer lowers to a
             # 4-byte store per two elements, into a whole 2-D buffer to stmatrix (chunk_forward's P).
-            kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(STAGES)]  # Ak K, 0 past n
+            if kbar_in_prep:
+                kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(STAGES)]  # Ak K, 0 past n
             p_op = [T.alloc_shared([C, C], dtype) for _ in range(STAGES)]  # P
             if not gate_queries:
                 gated_do_op = T.alloc_shared([STAGES, C, block_v], dtype)  # diag(og) dO
@@ -133,11 +146,16 @@ def build_reverse_state_pass(
 
             ds_op = T.alloc_shared([K, block_v], dtype)  # dS'
             du_op = T.alloc_shared([C, block_v], dtype)  # dU
+            if not kbar_in_prep:
+                x_op = T.alloc_shared([C, block_v], dtype)  # Ak^T dU
 
             ds = T.alloc_fragment([K, block_v], accum)
             du_acc = T.alloc_fragment([C, block_v], accum)
             k_ds = T.alloc_fragment([C, block_v], accum)
-            kbar = T.alloc_fragment([C, K], accum)
+            if kbar_in_prep:
+                kbar = T.alloc_fragment([C, K], accum)
+            else:
+                x_acc = T.alloc_fragment([C, block_v], accum)
             qk = T.alloc_fragment([C, C], accum)
 
             tx = T.get_thread_binding()
@@ -184,18 +202,26 @@ def build_reverse_state_pass(
                     T.copy(du_acc, du_op)  # the previous dU's store has read it: reuse_chain_tile above
                     if store_outputs and n == C:  # a whole chunk's dU leaves from its operand copy
                         store_chain_tile(du_op, du[s : s + C, hv, v0 : v0 + block_v])
-                    T.wait_wgmma(0)
 
-                    # Round 2: dS += Kbar^T dU; a sequence's short last chunk stores its rows meanwhile.
-                    if st == 0:
-                        T.wgmma_gemm(kbar_op[0], du_op, ds, transpose_A=True)
+                    # Round 2: dS += Kbar^T dU (narrow: K^T (Ak^T dU)); a sequence's short last chunk
+                    # stores its rows meanwhile.
+                    if kbar_in_prep:
+                        T.wait_wgmma(0)
+                        if st == 0:
+                            T.wgmma_gemm(kbar_op[0], du_op, ds, transpose_A=True)
+                        else:
+                            T.wgmma_gemm(kbar_op[1], du_op, ds, transpose_A=True)
                     else:
-                        T.wgmma_gemm(kbar_op[1], du_op, ds, transpose_A=True)
+                        T.wgmma_gemm(a_keys_tile[st, :, :], du_op, x_acc, transpose_A=True, clear_accum=True)
                     if store_outputs and n < C:  # rows past n belong to the next sequence
                         for r, j in T.Parallel(C, block_v):
                             if r < n:
                                 du[s + r, hv, v0 + j] = T.cast(du_acc[r, j], dtype)
                     T.wait_wgmma(0)
+                    if not kbar_in_prep:
+                        T.copy(x_acc, x_op)  # the last chunk's K^T X has read it (waited for)
+                        T.wgmma_gemm(k_tile[st, :, :], x_op, ds, transpose_A=True)
+                        T.wait_wgmma(0)
                     T.barrier_arrive(consumed[st])
 
                 T.copy(ds, initial_state_grad[seq, hv, :, v0 : v0 + block_v])
@@ -214,8 +240,13 @@ def build_reverse_state_pass(
                         zero_rows_past(k_tile, st, n, C, K)
                         if read_output_grad:
                             zero_rows_past(do_tile, st, n, C, block_v)
+                        if not kbar_in_prep:  # Ak's rows past n may hold anything (NaN * 0 in Ak^T dU)
+                            for r, j in T.Parallel(C, C):
+                                if r >= n or j >= n:
+                                    a_keys_tile[st, r, j] = 0
 
-                    T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
+                    if kbar_in_prep:
+                        T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
                     if read_output_grad:
                         T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
                     for r in T.Parallel(C):
@@ -239,14 +270,17 @@ def build_reverse_state_pass(
 
                     if read_output_grad:
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)  # P, as the forward
-                    for r, d in T.Parallel(C, K):
-                        kbar[r, d] = T.Select(r < n, kbar[r, d], T.float32(0))
+                    if kbar_in_prep:
+                        for r, d in T.Parallel(C, K):
+                            kbar[r, d] = T.Select(r < n, kbar[r, d], T.float32(0))
                     if st == 0:
-                        T.copy(kbar, kbar_op[0])
+                        if kbar_in_prep:
+                            T.copy(kbar, kbar_op[0])
                         if read_output_grad:
                             T.copy(qk, p_op[0])
                     else:
-                        T.copy(kbar, kbar_op[1])
+                        if kbar_in_prep:
+                            T.copy(kbar, kbar_op[1])
                         if read_output_grad:
                             T.copy(qk, p_op[1])
                     T.fence_proxy_async()
