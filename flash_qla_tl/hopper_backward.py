@@ -143,7 +143,7 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
         kernel = compile_program(build_reverse_state_pass, hqk, hv, kdim, vdim, dtype, end is not None, plan.block_v,
                                  last, d_out is not None)
         kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, do_packed if d_out is None else d_out, ops.gamma, ops.a_keys,
-               offsets, placeholder if end is None else end, ops.scale, du, state_grads, grads)
+               scores, offsets, placeholder if end is None else end, ops.scale, du, state_grads, grads)
         return grads
 
     # Everything the side stream reads was made on the caller's stream before the fork, and
@@ -158,6 +158,10 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
         else:
             context_parallel.chain_segments(forward, ops.v, zero() if h0 is None else h0, offsets, first_segment,
                                             num_segments)
+    # Narrow reverse programs load the scores P instead of forming them per value block (made here,
+    # after the fork: the recompute does not wait for them).
+    scores = (kernel_scores(ops) if plan.block_v < hopper_forward.HEAD_DIM
+              else hopper_forward.placeholder((1, hv, CHUNK), ops.v.dtype, device))
     if seg_len is None:
         dh0 = reverse(do_packed, end, True)
     else:
@@ -166,6 +170,18 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
                                               first_segment, num_segments, order, transition).final
     main.wait_stream(side)
     return states, state_grads, du, dh0, chunk_table
+
+
+def kernel_scores(ops: hopper_forward.ChunkOperands) -> torch.Tensor:
+    """``P`` of every (chunk, value head), ``[T, Hv, 64]`` in q's dtype (``kernels/chunk_scores.py``)."""
+    from .kernels.chunk_scores import build_chunk_scores
+    from .kernels.compile import compile_program
+
+    hqk, hv, kdim, _, dtype = ops.config
+    scores = torch.empty(ops.v.shape[0], hv, CHUNK, dtype=ops.v.dtype, device=ops.v.device)
+    compile_program(build_chunk_scores, hqk, hv, kdim, dtype)(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.gamma,
+                                                              ops.chunk_table, ops.scale, scores)
+    return scores
 
 
 def kernel_local_gradients(ops: hopper_forward.ChunkOperands, do_packed, states, state_grads, du, chunk_table,

@@ -30,6 +30,7 @@ from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step  # noqa
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients  # noqa: E402
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep  # noqa: E402
+from flash_qla_tl.kernels.chunk_scores import build_chunk_scores  # noqa: E402
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
@@ -86,6 +87,7 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
     if "backward" in kernels:
         out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, HOPPER_SMS))
                 for l2norm in (True, False)]
+        out.append((build_chunk_scores, (hqk, hv, 128, dtype)))  # P, for the narrow reverse passes
         for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))

@@ -14,6 +14,7 @@ from flash_qla_tl.kernels.chunk_forward import CORRECTIONS, build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
 from flash_qla_tl.kernels.chunk_pipeline import CHAIN_REGS, LOADER_REGS, PREP_REGS, register_split
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
+from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
 from flash_qla_tl.kernels.compile import compile_program
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm
@@ -171,6 +172,11 @@ def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v).get_kernel_source()
     assert "wgmma" in source and "chunk_state_grads" in source
     assert "tma_store(chunk_state_grads_desc" in source
+    # narrow programs load P (chunk_scores) rather than forming it per value block; whole heads form it
+    assert ("tma_load(scores_desc" in source) == (block_v < 128)
+    if block_v < 128:
+        scores = compile_program(build_chunk_scores, hqk, hv, 128, dtype).get_kernel_source()
+        assert "wgmma" in scores and "exp2f" in scores and "*(uint4*)(scores + " in scores  # 16-byte rows
 
 
 def test_context_parallel_reverse_passes_compile():

@@ -44,7 +44,10 @@ two dependent GEMMs in the chain's second round instead of one.  ``Ak K``
 repeated them for every block of a head, and the chain waited for prep ~1250 of
 ~3470 cycles per chunk at 32 columns, ~1600 of ~4080 at 64 (clock64 traces,
 H100, notes/backward-budget.md): the forward's narrow chain made the same trade
-(chunk_forward's ``"in_chain"``).  Whole-head programs keep ``Kbar`` in prep.  Whole-head (128-column) programs gate Q's
+(chunk_forward's ``"in_chain"``).  Whole-head programs keep ``Kbar`` in prep.
+For the same reason narrow programs load ``P`` (``scores``, formed once per
+chunk and value head by ``chunk_scores``) instead of forming ``Q K^T`` and its
+gates in prep, which then only zeroes a short chunk's rows past n and gates dO.  Whole-head (128-column) programs gate Q's
 rows in place instead (``Q^T diag(og) dO = (diag(og) Q)^T dO``, after prep's
 ``Q K^T`` has read them; rows past n selected to 0): a gated copy of a
 64 x 128 dO tile per stage is the 32 KB their shared memory lacks (219,648 B
@@ -87,6 +90,7 @@ def build_reverse_state_pass(
     # copy of dO: 32 KB of shared memory that 128 columns do not have (module docstring).
     gate_queries = block_v == 128
     kbar_in_prep = block_v == 128  # narrow programs: K^T (Ak^T dU) in the chain (module docstring)
+    scores_loaded = not kbar_in_prep and read_output_grad  # narrow programs load P (chunk_scores)
     assert STAGES == 2  # the operand rings are picked by stage parity
     group = num_v_heads // num_qk_heads
     accum = "float32"
@@ -96,6 +100,7 @@ def build_reverse_state_pass(
     num_seqs = T.dynamic("N")
     num_states_in = T.dynamic("NS")  # the final-state gradient may be a one-row placeholder
     num_chunk_slots = T.dynamic("NC")
+    num_scores = T.dynamic("NP")  # T where narrow programs read P, else a one-row placeholder
 
     @T.prim_func
     def reverse_state_pass(
@@ -106,6 +111,7 @@ def build_reverse_state_pass(
         do: T.Tensor([num_tokens, num_v_heads, V], dtype),
         gamma: T.Tensor([num_tokens, padded_heads(num_v_heads)], accum),
         A_keys: T.Tensor([num_tokens, num_v_heads, C], dtype),
+        scores: T.Tensor([num_scores, num_v_heads, C], dtype),
         cu_seqlens: T.Tensor([num_seqs + 1], "int32"),
         final_state_grad: T.Tensor([num_states_in, num_v_heads, K, V], accum),
         scale: T.float32,
@@ -130,9 +136,9 @@ def build_reverse_state_pass(
             gamma_tile = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             q_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
             k_scale = T.alloc_shared([STAGES, C, HEADS_PER_BOX], accum)
-            # Operand ring (prep).  Kbar's and P's are two 2-D buffers each, picked by stage
-            # parity: prep's copy of an accumulator into a slice of a 3-D buffer lowers to a
-            # 4-byte store per two elements, into a whole 2-D buffer to stmatrix (chunk_forward's P).
+            # Operand ring (prep).  Kbar and P are one 2-D buffer per stage, picked by an unrolled
+            # test: prep's copy of an accumulator into a slice of a 3-D buffer lowers to a 4-byte
+            # store per two elements, into a whole 2-D buffer to stmatrix (chunk_forward's P).
             if kbar_in_prep:
                 kbar_op = [T.alloc_shared([C, K], dtype) for _ in range(STAGES)]  # Ak K, 0 past n
             p_op = [T.alloc_shared([C, C], dtype) for _ in range(STAGES)]  # P
@@ -156,7 +162,8 @@ def build_reverse_state_pass(
                 kbar = T.alloc_fragment([C, K], accum)
             else:
                 x_acc = T.alloc_fragment([C, block_v], accum)
-            qk = T.alloc_fragment([C, C], accum)
+            if read_output_grad and not scores_loaded:
+                qk = T.alloc_fragment([C, C], accum)
 
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
@@ -179,10 +186,9 @@ def build_reverse_state_pass(
 
                     # Round 1: P^T dO and K dS' (dU's two terms), and dS's first two terms.
                     if read_output_grad:
-                        if st == 0:  # a GEMM operand is one whole buffer: picked by stage
-                            T.wgmma_gemm(p_op[0], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
-                        else:
-                            T.wgmma_gemm(p_op[1], do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
+                        for ring_stage, p in enumerate(p_op):  # a GEMM operand is one whole buffer
+                            if st == ring_stage:
+                                T.wgmma_gemm(p, do_tile[st, :, :], du_acc, transpose_A=True, clear_accum=True)
                     else:
                         T.clear(du_acc)
                     T.wgmma_gemm(k_tile[st, :, :], ds_op, k_ds, clear_accum=True)
@@ -207,10 +213,9 @@ def build_reverse_state_pass(
                     # stores its rows meanwhile.
                     if kbar_in_prep:
                         T.wait_wgmma(0)
-                        if st == 0:
-                            T.wgmma_gemm(kbar_op[0], du_op, ds, transpose_A=True)
-                        else:
-                            T.wgmma_gemm(kbar_op[1], du_op, ds, transpose_A=True)
+                        for ring_stage, kbar_tile in enumerate(kbar_op):
+                            if st == ring_stage:
+                                T.wgmma_gemm(kbar_tile, du_op, ds, transpose_A=True)
                     else:
                         T.wgmma_gemm(a_keys_tile[st, :, :], du_op, x_acc, transpose_A=True, clear_accum=True)
                     if store_outputs and n < C:  # rows past n belong to the next sequence
@@ -244,10 +249,16 @@ def build_reverse_state_pass(
                             for r, j in T.Parallel(C, C):
                                 if r >= n or j >= n:
                                     a_keys_tile[st, r, j] = 0
+                        if scores_loaded:  # P's rows past n are the next chunk's, or unwritten
+                            for ring_stage, p in enumerate(p_op):
+                                if st == ring_stage:
+                                    for r, j in T.Parallel(C, C):
+                                        if r >= n:
+                                            p[r, j] = 0
 
                     if kbar_in_prep:
                         T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
-                    if read_output_grad:
+                    if read_output_grad and not scores_loaded:
                         T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
                     for r in T.Parallel(C):
                         decay_to_end[st, r] = T.Select(
@@ -268,21 +279,17 @@ def build_reverse_state_pass(
                                 r < n, q_tile[st, r, d] * (T.exp2(gamma_tile[st, r, hg]) * scale * q_scale[st, r, hkn]),
                                 T.float32(0)), dtype)
 
-                    if read_output_grad:
+                    if read_output_grad and not scores_loaded:
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)  # P, as the forward
                     if kbar_in_prep:
                         for r, d in T.Parallel(C, K):
                             kbar[r, d] = T.Select(r < n, kbar[r, d], T.float32(0))
-                    if st == 0:
-                        if kbar_in_prep:
-                            T.copy(kbar, kbar_op[0])
-                        if read_output_grad:
-                            T.copy(qk, p_op[0])
-                    else:
-                        if kbar_in_prep:
-                            T.copy(kbar, kbar_op[1])
-                        if read_output_grad:
-                            T.copy(qk, p_op[1])
+                    for ring_stage, p in enumerate(p_op):
+                        if st == ring_stage:
+                            if kbar_in_prep:
+                                T.copy(kbar, kbar_op[ring_stage])
+                            if read_output_grad and not scores_loaded:
+                                T.copy(qk, p)
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
             else:
@@ -297,6 +304,10 @@ def build_reverse_state_pass(
                     if read_output_grad:
                         T.tma_copy(do[s : s + C, hv, v0 : v0 + block_v], do_tile[st, :, :], barrier=loaded[st])
                     T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
+                    if scores_loaded:
+                        for ring_stage, p in enumerate(p_op):
+                            if st == ring_stage:
+                                T.tma_copy(scores[s : s + C, hv, :], p, barrier=loaded[st])
                     load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
                     T.barrier_arrive(loaded[st])
 
