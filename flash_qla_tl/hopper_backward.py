@@ -44,6 +44,11 @@ WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST) 
 # Chunks per sequence (mean) from which the walks take a forward's segments even where their own
 # plan would not split, if it leaves three quarters of the GPU idle: see walks_take_forward_segments.
 FORWARD_SEGMENTS_MIN_CHUNKS = 256
+# Reverse-pass widths whose programs load P from chunk_scores rather than forming it in prep.  At 32
+# columns a head's four programs formed it four times and the chain waited for prep: 3196 -> 2614 cycles
+# a chunk, (2,8) 1x8192 backward 1.09x; at 64 (twice) the scores kernel, which shares the SMs with the
+# recompute, cost more than it saved at (16,32) 8192 tokens (0.95x).  H100, 2026-11-25, BENCHMARKS.md.
+SCORES_WIDTHS = (32,)
 
 
 def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):
@@ -141,7 +146,7 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
         # Only the last pass writes dU and dS'; the transition pass (d_out None) has no output gradient.
         grads = torch.empty(offsets.numel() - 1, hv, kdim, vdim, dtype=torch.float32, device=device)
         kernel = compile_program(build_reverse_state_pass, hqk, hv, kdim, vdim, dtype, end is not None, plan.block_v,
-                                 last, d_out is not None)
+                                 last, d_out is not None, loads_scores)
         kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, do_packed if d_out is None else d_out, ops.gamma, ops.a_keys,
                scores, offsets, placeholder if end is None else end, ops.scale, du, state_grads, grads)
         return grads
@@ -158,10 +163,10 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
         else:
             context_parallel.chain_segments(forward, ops.v, zero() if h0 is None else h0, offsets, first_segment,
                                             num_segments)
-    # Narrow reverse programs load the scores P instead of forming them per value block (made here,
-    # after the fork: the recompute does not wait for them).
-    scores = (kernel_scores(ops) if plan.block_v < hopper_forward.HEAD_DIM
-              else hopper_forward.placeholder((1, hv, CHUNK), ops.v.dtype, device))
+    # The narrowest reverse programs load the scores P instead of forming them per value block (made
+    # here, after the fork: the recompute does not wait for them).
+    loads_scores = plan.block_v in SCORES_WIDTHS
+    scores = kernel_scores(ops) if loads_scores else hopper_forward.placeholder((1, hv, CHUNK), ops.v.dtype, device)
     if seg_len is None:
         dh0 = reverse(do_packed, end, True)
     else:

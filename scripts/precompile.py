@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flash_qla_tl.hopper_backward import WALK_WIDEST  # noqa: E402
+from flash_qla_tl.hopper_backward import SCORES_WIDTHS, WALK_WIDEST  # noqa: E402
 from flash_qla_tl.hopper_forward import StatePassPlan, value_correction  # noqa: E402
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step  # noqa: E402
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
@@ -91,9 +91,11 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
         for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))
-            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b)))
+            scores = b in SCORES_WIDTHS
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, True, True, scores)))
             # context parallelism's first reverse pass (no state, no stores), its transition (no dO either)
-            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, False, not has_state)))
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, False, not has_state,
+                                                   scores)))
         if all_flags:  # in the segments of a forward that ran whole-head programs in segments: the
             # recompute, and the reverse pass's first and last passes at whole heads
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,

@@ -142,6 +142,20 @@ def test_kernel_walks_match_the_torch_walks(block_v, monkeypatch):
         assert rel_rms(got, want) < 5e-3, (name, rel_rms(got, want))
 
 
+@pytest.mark.parametrize("hv,decay,l2norm", [(8, "normal", True), (6, "strong", False)])
+def test_chunk_scores_are_the_gated_attention(hv, decay, l2norm):
+    """chunk_scores alone (what the narrow reverse passes load as P): every (chunk, value head)'s
+    ``scale (Q K^T) o E`` at its tokens' rows, against PyTorch's Chunks; short and empty sequences."""
+    x = _inputs(seqs=[70, 0, 300, 1, 64], hv=hv, decay=decay)
+    inputs = (x["q"], x["k"], x["v"], x["g"], x["beta"], None)
+    c, *_ = chunked_backward.chunk_problem(*inputs, None, torch.zeros_like(x["v"]), l2norm, x["cu_seqlens"])
+    scores = hopper_backward.kernel_scores(hopper_forward.prepare_chunks(*inputs, l2norm, x["cu_seqlens"]))
+    # chunk rows in token order; a padding row reads the appended zero token
+    got = torch.cat([scores, scores.new_zeros(1, *scores.shape[1:])])[c.token].transpose(1, 2)
+    assert rel_rms(got, c.attn) < 5e-3, rel_rms(got, c.attn)
+    assert torch.isfinite(scores).all()
+
+
 @pytest.mark.parametrize("decay,l2norm,hv", [("normal", True, 4), ("strong", True, 4), ("normal", False, 6),
                                              ("strong", False, 2)])
 def test_local_gradient_kernel_matches_its_torch_form(decay, l2norm, hv):

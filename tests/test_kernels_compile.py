@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from flash_qla_tl import hopper_forward
+from flash_qla_tl import hopper_backward, hopper_forward
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
 from flash_qla_tl.kernels.chunk_forward import CORRECTIONS, build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
@@ -169,12 +169,14 @@ def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     source = recompute.get_kernel_source()
     assert "chunk_states" in source and "(o + " not in source and "q_desc" not in source  # no output, no q
     assert "tma_store(chunk_states_desc" in source
-    source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v).get_kernel_source()
+    scores = block_v in hopper_backward.SCORES_WIDTHS
+    source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v, True, True,
+                             scores).get_kernel_source()
     assert "wgmma" in source and "chunk_state_grads" in source
     assert "tma_store(chunk_state_grads_desc" in source
-    # narrow programs load P (chunk_scores) rather than forming it per value block; whole heads form it
-    assert ("tma_load(scores_desc" in source) == (block_v < 128)
-    if block_v < 128:
+    # the narrowest programs load P (chunk_scores) rather than forming it per value block
+    assert ("tma_load(scores_desc" in source) == scores
+    if scores:
         scores = compile_program(build_chunk_scores, hqk, hv, 128, dtype).get_kernel_source()
         assert "wgmma" in scores and "exp2f" in scores and "*(uint4*)(scores + " in scores  # 16-byte rows
 

@@ -45,9 +45,10 @@ repeated them for every block of a head, and the chain waited for prep ~1250 of
 ~3470 cycles per chunk at 32 columns, ~1600 of ~4080 at 64 (clock64 traces,
 H100, notes/backward-budget.md): the forward's narrow chain made the same trade
 (chunk_forward's ``"in_chain"``).  Whole-head programs keep ``Kbar`` in prep.
-For the same reason narrow programs load ``P`` (``scores``, formed once per
-chunk and value head by ``chunk_scores``) instead of forming ``Q K^T`` and its
-gates in prep, which then only zeroes a short chunk's rows past n and gates dO.  Whole-head (128-column) programs gate Q's
+For the same reason narrow programs may load ``P`` (``load_scores``: ``scores``,
+formed once per chunk and value head by ``chunk_scores``) instead of forming
+``Q K^T`` and its gates in prep, which then only zeroes a short chunk's rows
+past n and gates dO (``hopper_backward.SCORES_WIDTHS`` says where that pays).  Whole-head (128-column) programs gate Q's
 rows in place instead (``Q^T diag(og) dO = (diag(og) Q)^T dO``, after prep's
 ``Q K^T`` has read them; rows past n selected to 0): a gated copy of a
 64 x 128 dO tile per stage is the 32 KB their shared memory lacks (219,648 B
@@ -73,13 +74,15 @@ def build_reverse_state_pass(
     block_v: int = 64,
     store_outputs: bool = True,
     read_output_grad: bool = True,
+    load_scores: bool = False,
     chunk: int = 64,
 ):
     """Build the reverse pass's PrimFunc for one static config; token, sequence and slot counts stay symbolic.
 
     ``store_outputs=False``: dU and dS' are not written (``du`` and ``chunk_state_grads`` may be
     placeholders); ``read_output_grad=False``: ``do`` is taken as zero and not read (nor are q
-    and the output gates).
+    and the output gates).  ``load_scores`` (narrow programs): ``P`` is read from ``scores``
+    (``chunk_scores``) instead of formed in prep; otherwise ``scores`` may be a placeholder.
     """
     import tilelang.language as T
 
@@ -90,7 +93,8 @@ def build_reverse_state_pass(
     # copy of dO: 32 KB of shared memory that 128 columns do not have (module docstring).
     gate_queries = block_v == 128
     kbar_in_prep = block_v == 128  # narrow programs: K^T (Ak^T dU) in the chain (module docstring)
-    scores_loaded = not kbar_in_prep and read_output_grad  # narrow programs load P (chunk_scores)
+    assert not (load_scores and kbar_in_prep), "whole-head programs form P in prep"
+    scores_loaded = load_scores and read_output_grad
     assert STAGES == 2  # the operand rings are picked by stage parity
     group = num_v_heads // num_qk_heads
     accum = "float32"
