@@ -6,7 +6,7 @@ Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:
 the forward under every state-pass plan (each value-block width, and context
 parallelism with its segment scan), then forward + backward through autograd
-(the recompute, the reverse walk, the local and q/k gradient kernels), and the
+(the recompute, the scores and the reverse walk, the local gradient kernel), and the
 backward in the segments of forwards that kept them (narrow and whole-head); then
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
 its state once in a new tensor and once updated in place; and the layer's
