@@ -48,13 +48,18 @@ H100, notes/backward-budget.md): the forward's narrow chain made the same trade
 For the same reason narrow programs may load ``P`` (``load_scores``: ``scores``,
 formed once per chunk and value head by ``chunk_scores``) instead of forming
 ``Q K^T`` and its gates in prep, which then only zeroes a short chunk's rows
-past n and gates dO (``hopper_backward.SCORES_WIDTHS`` says where that pays).  Whole-head (128-column) programs gate Q's
-rows in place instead (``Q^T diag(og) dO = (diag(og) Q)^T dO``, after prep's
-``Q K^T`` has read them; rows past n selected to 0): a gated copy of a
-64 x 128 dO tile per stage is the 32 KB their shared memory lacks (219,648 B
-with it gone).  Masking follows the forward: padded rows of
-k and dO are zeroed before any GEMM reads them, ``Kbar``'s and ``dU``'s padded
-rows are selects to 0 (A_keys rows past a sequence's end may hold anything).
+past n and gates dO (``hopper_backward.SCORES_WIDTHS`` says where that pays).
+
+Narrow programs gate dO into a copy per ring stage for ``Q^T diag(og) dO``.
+Whole-head (128-column) programs gate Q's rows in place instead (``(diag(og) Q)^T
+dO`` is the same product; prep does it after its ``Q K^T`` has read them, rows
+past n selected to 0): a gated copy of a 64 x 128 dO tile per stage is the 32 KB
+their shared memory lacks (219,648 B with it gone).
+
+Masking follows the forward: padded rows of k and dO are zeroed before any GEMM
+reads them, ``Kbar``'s and ``dU``'s padded rows are selects to 0 (A_keys rows
+past a sequence's end may hold anything; narrow programs zero a short chunk's
+``Ak`` past n, and its loaded ``P``'s rows past n).
 """
 
 from .chunk_pipeline import (
