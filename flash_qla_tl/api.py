@@ -48,7 +48,8 @@ def chunk_forward_and_segments(q, k, v, g, beta, scale, initial_state, output_fi
         o, final_state, segments = hopper_forward.chunk_forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
             return_segments=True)
-        return o, final_state, segments if _backward_takes_segments(q, v, cu_seqlens) else None
+        kept = segments is not None and _backward_takes_segments(q, v, cu_seqlens)
+        return o, final_state, segments if kept else None
     return (*reference.chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 use_qk_l2norm_in_kernel, cu_seqlens), None)
 

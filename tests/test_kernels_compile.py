@@ -169,16 +169,17 @@ def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
     source = recompute.get_kernel_source()
     assert "chunk_states" in source and "(o + " not in source and "q_desc" not in source  # no output, no q
     assert "tma_store(chunk_states_desc" in source
-    scores = block_v in hopper_backward.SCORES_WIDTHS
+    loads_scores = block_v in hopper_backward.SCORES_WIDTHS
     source = compile_program(build_reverse_state_pass, hqk, hv, 128, 128, dtype, has_dht, block_v, True, True,
-                             scores).get_kernel_source()
+                             loads_scores).get_kernel_source()
     assert "wgmma" in source and "chunk_state_grads" in source
     assert "tma_store(chunk_state_grads_desc" in source
     # the narrowest programs load P (chunk_scores) rather than forming it per value block
-    assert ("tma_load(scores_desc" in source) == scores
-    if scores:
-        scores = compile_program(build_chunk_scores, hqk, hv, 128, dtype).get_kernel_source()
-        assert "wgmma" in scores and "exp2f" in scores and "*(uint4*)(scores + " in scores  # 16-byte rows
+    assert ("tma_load(scores_desc" in source) == loads_scores
+    if loads_scores:
+        scores_source = compile_program(build_chunk_scores, hqk, hv, 128, dtype).get_kernel_source()
+        assert "wgmma" in scores_source and "exp2f" in scores_source
+        assert "*(uint4*)(scores + " in scores_source  # 16-byte rows
 
 
 def test_context_parallel_reverse_passes_compile():
