@@ -6,8 +6,9 @@ Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:
 the forward under every state-pass plan (each value-block width, and context
 parallelism with its segment scan), then forward + backward through autograd
-(the recompute, the scores and the reverse walk, the local gradient kernel), and the
-backward in the segments of forwards that kept them (narrow and whole-head); then
+(the recompute, the scores and the reverse walk, the local gradient kernel), the
+backward with its walks at each width of their own (32 columns: the scores kernel),
+and the backward in the segments of forwards that kept them (narrow and whole-head); then
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
 its state once in a new tensor and once updated in place; and the layer's
 conv step and gated RMSNorm (``hopper_layer.py``).  The
@@ -70,6 +71,16 @@ def check_layer_glue():
     assert rel_rms(y, want) <= TOL
 
 
+def backward_with_walks_at(block_v, *args):
+    """``hopper_backward.chunk_backward(*args)`` with the walks planned at ``block_v`` columns, unsplit."""
+    own = hopper_backward.plan_walks
+    hopper_backward.plan_walks = lambda *_: hopper_forward.StatePassPlan(block_v, None)
+    try:
+        return hopper_backward.chunk_backward(*args)
+    finally:
+        hopper_backward.plan_walks = own
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--forward-only", action="store_true", help="the forward kernels only")
@@ -107,6 +118,10 @@ def main():
         leaves = {n: t.detach().clone().requires_grad_() if t.is_floating_point() else t for n, t in x.items()}
         o, s = fq.chunk_gated_delta_rule(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True)
         runs = {"backward": torch.autograd.grad((o, s), [leaves[n] for n in names], (do.to(o.dtype), dht))}
+        inputs = (*(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"], do.to(o.dtype), dht, True,
+                  x["cu_seqlens"])
+        for block_v in hopper_backward.WALK_WIDTHS:  # the walks' own plan at each width, unsplit
+            runs[f"backward, walks at {block_v} columns"] = backward_with_walks_at(block_v, *inputs)
         # the walks in the segments a forward kept (the recompute from its entry states, the reverse
         # scan with its transitions), after narrow and whole-head forwards; in one-chunk segments
         # (16 x Hv of them) the reverse pass takes whole heads on 132 SMs (plan_walks_in_segments)

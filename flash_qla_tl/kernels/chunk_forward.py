@@ -92,8 +92,8 @@ row r depends on its left operand's row r only).
 """
 
 from .chunk_pipeline import (
-    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
-    head_columns, load_gates, register_split, reuse_chain_tile, store_chain_tile, zero_rows_past,
+    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, STATE_ROWS,
+    gate_scores, head_columns, load_gates, register_split, reuse_chain_tile, store_chain_tile, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
@@ -317,9 +317,9 @@ def build_chunk_forward(
                         else:
                             T.wgmma_gemm(p_op[1], u_op, out)
                     if kbar_in_prep:
-                        T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True)
+                        T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True, policy=STATE_ROWS)
                     else:
-                        T.wgmma_gemm(k_tile[st, :, :], u_decayed_op, state, transpose_A=True)
+                        T.wgmma_gemm(k_tile[st, :, :], u_decayed_op, state, transpose_A=True, policy=STATE_ROWS)
                     T.wait_wgmma(0)
                     # Every read of this stage (both rings) has completed.
                     T.barrier_arrive(consumed[st])

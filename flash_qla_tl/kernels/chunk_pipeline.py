@@ -25,6 +25,10 @@ REGISTERS_PER_SM = 65536
 STAGES = 2
 # Named barrier of the chain warpgroups alone (TileLang's own partial syncs of the chain use id 3 too).
 CHAIN_BARRIER = 3
+# The warp policy of the chain's GEMMs into a state-shaped accumulator (K x block_v, K = 128): a chain
+# warpgroup per 64 rows.  TileLang's default splits these by columns, so both warpgroups read all of the
+# left operand (K^T, Q^T, Kbar^T: 128 x 64) and issue twice the instructions at half the width.
+STATE_ROWS = T.GemmWarpPolicy.FullRow
 
 
 def register_split(*per_warpgroup):

@@ -63,7 +63,7 @@ past a sequence's end may hold anything; narrow programs zero a short chunk's
 """
 
 from .chunk_pipeline import (
-    CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, gate_scores,
+    CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, STATE_ROWS, gate_scores,
     head_columns, load_gates, register_split, reuse_chain_tile, store_chain_tile, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
@@ -205,9 +205,10 @@ def build_reverse_state_pass(
                         ds[d, j] = ds[d, j] * chunk_decay[st]
                     if read_output_grad:
                         if gate_queries:  # q_tile holds diag(og) Q
-                            T.wgmma_gemm(q_tile[st, :, :], do_tile[st, :, :], ds, transpose_A=True)
+                            T.wgmma_gemm(q_tile[st, :, :], do_tile[st, :, :], ds, transpose_A=True, policy=STATE_ROWS)
                         else:
-                            T.wgmma_gemm(q_tile[st, :, :], gated_do_op[st, :, :], ds, transpose_A=True)
+                            T.wgmma_gemm(q_tile[st, :, :], gated_do_op[st, :, :], ds, transpose_A=True,
+                                         policy=STATE_ROWS)
                         T.wait_wgmma(1)
                     else:
                         T.wait_wgmma(0)
@@ -224,7 +225,7 @@ def build_reverse_state_pass(
                         T.wait_wgmma(0)
                         for ring_stage, kbar_tile in enumerate(kbar_op):
                             if st == ring_stage:
-                                T.wgmma_gemm(kbar_tile, du_op, ds, transpose_A=True)
+                                T.wgmma_gemm(kbar_tile, du_op, ds, transpose_A=True, policy=STATE_ROWS)
                     else:
                         T.wgmma_gemm(a_keys_tile[st, :, :], du_op, x_acc, transpose_A=True, clear_accum=True)
                     if store_outputs and n < C:  # rows past n belong to the next sequence
@@ -234,7 +235,7 @@ def build_reverse_state_pass(
                     T.wait_wgmma(0)
                     if not kbar_in_prep:
                         T.copy(x_acc, x_op)  # the last chunk's K^T X has read it (waited for)
-                        T.wgmma_gemm(k_tile[st, :, :], x_op, ds, transpose_A=True)
+                        T.wgmma_gemm(k_tile[st, :, :], x_op, ds, transpose_A=True, policy=STATE_ROWS)
                         T.wait_wgmma(0)
                     T.barrier_arrive(consumed[st])
 
