@@ -33,7 +33,11 @@ K dS', dS = exp2(gamma_last) dS' + Kbar^T dU, without dO, q, P or their GEMMs).
 Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
 tensor-core work per chunk, ``dS' -> dU -> dS``), 1 prepares the next chunk's
 state-independent operands (``Kbar``, ``P``, ``diag(og) dO``) into a two-stage
-smem ring, 1 issues the TMA loads.
+smem ring, 1 issues the TMA loads.  The loader refills a stage in two parts: q, dO,
+``P`` and the gates once the chain's first round has read them, k and ``A_keys``
+once the chain is done with the chunk, so that most of the next loads are in
+flight during the second round (the ring's loads, not prep, set the narrow chain's
+period: notes/backward-budget.md items 8 and 10).
 
 Narrow programs (32 and 64 columns) form no ``Kbar``: with ``Kbar = Ak K``,
 
@@ -158,6 +162,9 @@ def build_reverse_state_pass(
             loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
             prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
             consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
+            # The chain's first round has read the stage's q, dO and P: the loader refills them (and the
+            # gates, prep's alone) while the second round still reads k and A_keys (module docstring).
+            first_round_read = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
 
             ds_op = T.alloc_shared([K, block_v], dtype)  # dS'
             du_op = T.alloc_shared([C, block_v], dtype)  # dU
@@ -220,9 +227,10 @@ def build_reverse_state_pass(
                         store_chain_tile(du_op, du[s : s + C, hv, v0 : v0 + block_v])
 
                     # Round 2: dS += Kbar^T dU (narrow: K^T (Ak^T dU)); a sequence's short last chunk
-                    # stores its rows meanwhile.
+                    # stores its rows meanwhile.  Round 1's last GEMM (Q^T dO) is done by now as a rule.
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(first_round_read[st])
                     if kbar_in_prep:
-                        T.wait_wgmma(0)
                         for ring_stage, kbar_tile in enumerate(kbar_op):
                             if st == ring_stage:
                                 T.wgmma_gemm(kbar_tile, du_op, ds, transpose_A=True, policy=STATE_ROWS)
@@ -307,18 +315,18 @@ def build_reverse_state_pass(
                 for i in T.serial(num_chunks):
                     st = i % STAGES
                     s = bos + (num_chunks - 1 - i) * C
-                    T.barrier_wait(consumed[st], (i // STAGES) % 2 ^ 1)
+                    T.barrier_wait(first_round_read[st], (i // STAGES) % 2 ^ 1)
                     if read_output_grad:
                         T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
-                    if read_output_grad:
                         T.tma_copy(do[s : s + C, hv, v0 : v0 + block_v], do_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     if scores_loaded:
                         for ring_stage, p in enumerate(p_op):
                             if st == ring_stage:
                                 T.tma_copy(scores[s : s + C, hv, :], p, barrier=loaded[st])
                     load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
+                    T.barrier_wait(consumed[st], (i // STAGES) % 2 ^ 1)
+                    T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
+                    T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     T.barrier_arrive(loaded[st])
 
     return reverse_state_pass
