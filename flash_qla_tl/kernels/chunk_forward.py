@@ -219,6 +219,10 @@ def build_chunk_forward(
             loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
             prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
             consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
+            # The chain's first round has read the stage's q, v and A_values (prep is done with the stage's
+            # A_keys and gates before the chain starts it): the loader refills them while the second round
+            # still reads k.
+            first_round_read = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
 
             # The chain's tensor-core operands.
             state_op = T.alloc_shared([K, block_v], dtype)  # S
@@ -309,6 +313,7 @@ def build_chunk_forward(
                         T.wait_wgmma(0)
                         for i, j in T.Parallel(C, block_v):
                             out[i, j] = out[i, j] * out_gate[st, i]
+                    T.barrier_arrive(first_round_read[st])  # every first-round GEMM has completed
 
                     # Round 2: O += P U;  S += Kd^T U (narrow: K^T (diag(..) U)).
                     if store_output:
@@ -413,12 +418,12 @@ def build_chunk_forward(
                 for c in T.serial(num_chunks):
                     st = c % STAGES
                     s = bos + c * C
-                    # A slot is free once the chain released its previous chunk; on the
-                    # first lap round the ring there is none, and the wait passes.
-                    T.barrier_wait(consumed[st], (c // STAGES) % 2 ^ 1)
+                    # A slot is free once the chain released its previous chunk, in two parts (the
+                    # first-round operands, then k); on the first lap round the ring there is none,
+                    # and the waits pass.
+                    T.barrier_wait(first_round_read[st], (c // STAGES) % 2 ^ 1)
                     if store_output:
                         T.tma_copy(q[s : s + C, hk, :], q_tile[st, :, :], barrier=loaded[st])
-                    T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     if read_values:
                         T.tma_copy(v[s : s + C, hv, v0 : v0 + block_v], v_tile[st, :, :], barrier=loaded[st])
                     if read_values or correction != "kbar_loaded":
@@ -426,6 +431,8 @@ def build_chunk_forward(
                     if correction == "kbar_loaded":
                         T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
+                    T.barrier_wait(consumed[st], (c // STAGES) % 2 ^ 1)
+                    T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     T.barrier_arrive(loaded[st])
 
     return chunk_forward
