@@ -83,9 +83,9 @@ def build_chunk_local_gradients(
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
     assert C == 64 and K == 2 * C and num_v_heads % num_qk_heads == 0  # K == 2C: <S, dS'> over 64 rows of dg
+    assert V == ROLE_THREADS  # <S, dS'>: a column of S o dS' per state-role thread
     group = num_v_heads // num_qk_heads
     accum = "float32"
-    state_cols = 32  # <S, dS'> in column blocks: a [K, 32] fp32 fragment per pass
     both, one = 2 * ROLE_THREADS, ROLE_THREADS  # arrivals on the free barrier of a tile both / one role read
 
     num_tokens = T.dynamic("T")
@@ -110,13 +110,18 @@ def build_chunk_local_gradients(
 
     @T.macro
     def serial_sum(term, count):
-        """``sum_i term(i)`` over ``i < count`` in the calling thread (two interleaved partial sums)."""
-        even = T.alloc_var(accum, init=0)
-        odd = T.alloc_var(accum, init=0)
-        for i in T.unroll(count // 2):
-            even = even + term(2 * i)
-            odd = odd + term(2 * i + 1)
-        return even + odd
+        """``sum_i term(i)`` over ``i < count`` in the calling thread (four interleaved partial sums: four
+        dependent adds in flight)."""
+        p0 = T.alloc_var(accum, init=0)
+        p1 = T.alloc_var(accum, init=0)
+        p2 = T.alloc_var(accum, init=0)
+        p3 = T.alloc_var(accum, init=0)
+        for i in T.unroll(count // 4):
+            p0 = p0 + term(4 * i)
+            p1 = p1 + term(4 * i + 1)
+            p2 = p2 + term(4 * i + 2)
+            p3 = p3 + term(4 * i + 3)
+        return (p0 + p1) + (p2 + p3)
 
     @T.macro
     def column_sums(square, staging, out, role_tx):
@@ -225,7 +230,9 @@ def build_chunk_local_gradients(
             decay_cols = T.alloc_shared([C], accum)
             gated_rows = T.alloc_shared([C], accum)
             gated_cols = T.alloc_shared([C], accum)  # colsum(d_gated o A0 o E); X_gated's is beta times it
-            state_dot = T.alloc_shared([K], accum)  # rowsum(S o dS'), summed to <S, dS'> at the end
+            state_dot = T.alloc_shared([V], accum)  # colsum(S o dS'), summed to <S, dS'> at the end
+            # The loader's copy of an item's per-row inputs (gamma, beta, rq, rk; 0 past n), two items deep.
+            rows_in = T.alloc_shared([2, 4, C], accum)
 
             # The input tiles, one slot each, and what the program makes from them.  The roles
             # run side by side, so no two tiles share memory.
@@ -257,6 +264,8 @@ def build_chunk_local_gradients(
             # mbarriers, not a named barrier of both roles: the roles run separate loops (below), and the
             # sanitizers take a named barrier reached from two places for a divergent one.
             rows_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
+            rows_full = T.alloc_barrier(arrive_count=[ROLE_THREADS] * 2)  # rows_in[b] loaded (loader)
+            rows_free = T.alloc_barrier(arrive_count=[ROLE_THREADS] * 2)  # rows_in[b] read (values role)
             sums_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
 
             # Values role.
@@ -274,9 +283,6 @@ def build_chunk_local_gradients(
             gram = T.alloc_fragment([C, C], accum)
             dq_gated = T.alloc_fragment([C, K], accum)  # dO S^T
             dq_sum = T.alloc_fragment([C, K], accum)  # the gradient of Qn, summed over the unit's items
-            state_products = T.alloc_fragment([K, state_cols], accum)
-            state_rows = T.alloc_fragment([K], accum)
-            state_part = T.alloc_fragment([K], accum)
             state_role_rows = T.alloc_fragment([C], accum)
 
             # Units handled so far (padding units of the chunk table skipped): every per-item barrier
@@ -297,16 +303,19 @@ def build_chunk_local_gradients(
                                 for member in T.serial(group):
                                     hv = hk * group + member
                                     first, last = member == 0, member == group - 1
-                                    phase = (units_done * group + member) % 2
+                                    item = units_done * group + member
+                                    phase = item % 2
                                     if role == VALUES:
-                                        # Per-row values, for both roles (handed over by rows_ready).
+                                        # Per-row values, for both roles (handed over by rows_ready), from the
+                                        # loader's copy.
+                                        T.barrier_wait(rows_full[item % 2], (item // 2) % 2)
                                         if tx < C:
-                                            valid = tx < n
-                                            gamma_tile[tx] = T.if_then_else(valid, gamma[s + tx, hv], T.float32(0))
-                                            beta_tile[tx] = T.if_then_else(valid, beta[s + tx, hv], T.float32(0))
-                                            q_scale[tx] = T.if_then_else(valid, q_norm[s + tx, hk], T.float32(0))
-                                            k_scale[tx] = T.if_then_else(valid, k_norm[s + tx, hk], T.float32(0))
-                                            gate[tx] = T.Select(valid, T.exp2(gamma[s + tx, hv]), T.float32(0))
+                                            gamma_tile[tx] = rows_in[item % 2, 0, tx]
+                                            beta_tile[tx] = rows_in[item % 2, 1, tx]
+                                            q_scale[tx] = rows_in[item % 2, 2, tx]
+                                            k_scale[tx] = rows_in[item % 2, 3, tx]
+                                            gate[tx] = T.Select(tx < n, T.exp2(rows_in[item % 2, 0, tx]), T.float32(0))
+                                        T.barrier_arrive(rows_free[item % 2])
                                         T.sync_threads(VALUES_BARRIER, ROLE_THREADS)
                                         if tx < C:
                                             to_end[tx] = T.Select(tx < n, T.exp2(gamma_tile[n - 1] - gamma_tile[tx]),
@@ -372,9 +381,11 @@ def build_chunk_local_gradients(
                                         # The attention products (Qs Kn^T = scale Qn Kn^T):
                                         # d_qk = (dO U^T) o E, X_decay = (dO U^T) o (Qs Kn^T) o E.
                                         T.barrier_wait(full[DO], phase)
-                                        T.gemm(do_tile, kbar_u_op, d_attn, transpose_B=True, clear_accum=True)
+                                        T.wgmma_gemm(do_tile, kbar_u_op, d_attn, transpose_B=True, clear_accum=True)
+                                        T.wgmma_gemm(q_tile, k_tile, x_decay, transpose_B=True, clear_accum=True)
+                                        T.wait_wgmma(1)
                                         T.barrier_arrive(free[DO])
-                                        T.gemm(q_tile, k_tile, x_decay, transpose_B=True, clear_accum=True)
+                                        T.wait_wgmma(0)
                                         for r, j in T.Parallel(C, C):
                                             e = decay(gamma_tile, r, j, n) * scale
                                             d_qk_op[r, j] = T.cast(d_attn[r, j] * e, dtype)
@@ -422,28 +433,24 @@ def build_chunk_local_gradients(
                                         # --- State role.  d_w = -dU S^T; dq's first term dO S^T.
                                         T.barrier_wait(full[DU], phase)
                                         T.barrier_wait(full[STATE], phase)
+                                        T.barrier_wait(full[DO], phase)
                                         T.gemm(du_tile, state, d_w_acc, transpose_B=True, clear_accum=True)
                                         for r, d in T.Parallel(C, K):
                                             d_w_op[r, d] = T.cast(-d_w_acc[r, d], dtype)
                                         hand_over(d_w_ready)
-                                        T.barrier_wait(full[DO], phase)
                                         T.gemm(do_tile, state, dq_gated, transpose_B=True, clear_accum=True)
                                         T.barrier_arrive(free[DO])
 
-                                        # <S, dS'>, a column block at a time.
+                                        # <S, dS'> as V partial sums, a column of S o dS' per thread: a warp reads 64
+                                        # contiguous bytes of a row per step and no thread waits for another (a
+                                        # fragment's row sums took ~3.6K cycles a chunk, clock64 traces).  Only
+                                        # their total matters (dg below).
                                         T.barrier_wait(full[STATE_GRAD], phase)
-                                        T.clear(state_rows)
-                                        for block in T.serial(V // state_cols):
-                                            for d, j in T.Parallel(K, state_cols):
-                                                state_products[d, j] = (T.cast(state[d, block * state_cols + j], accum)
-                                                                        * T.cast(state_grad[d, block * state_cols + j], accum))
-                                            T.reduce_sum(state_products, state_part, dim=1)
-                                            for d in T.Parallel(K):
-                                                state_rows[d] = state_rows[d] + state_part[d]
+                                        column = tx - ROLE_THREADS
+                                        state_dot[column] = serial_sum(
+                                            lambda d: T.cast(state[d, column], accum) * T.cast(state_grad[d, column], accum), K)
                                         T.barrier_arrive(free[STATE])
                                         T.barrier_arrive(free[STATE_GRAD])
-                                        for d in T.Parallel(K):
-                                            state_dot[d] = state_rows[d]
                                         # dq's first term, into the unit's sum (the gradient of Qn: scale times Qs's).
                                         T.barrier_wait(keys_ready, phase)
                                         accumulate(dq_sum, first, lambda r, d: gate[r] * scale * dq_gated[r, d])
@@ -509,7 +516,20 @@ def build_chunk_local_gradients(
                     if n > 0:
                         for member in T.serial(group):
                             hv = hk * group + member
-                            free_phase = (units_done * group + member) % 2 ^ 1  # a fresh barrier counts as freed
+                            item = units_done * group + member
+                            free_phase = item % 2 ^ 1  # a fresh barrier counts as freed
+                            # The per-row inputs first: global loads, a row per thread, two items ahead at most
+                            # (their latency, ~1K cycles, opened every item of both math roles when the
+                            # values role loaded them itself: clock64 traces).
+                            T.barrier_wait(rows_free[item % 2], (item // 2) % 2 ^ 1)
+                            row = tx - 2 * ROLE_THREADS
+                            if row < C:
+                                valid = row < n
+                                rows_in[item % 2, 0, row] = T.if_then_else(valid, gamma[s + row, hv], T.float32(0))
+                                rows_in[item % 2, 1, row] = T.if_then_else(valid, beta[s + row, hv], T.float32(0))
+                                rows_in[item % 2, 2, row] = T.if_then_else(valid, q_norm[s + row, hk], T.float32(0))
+                                rows_in[item % 2, 3, row] = T.if_then_else(valid, k_norm[s + row, hk], T.float32(0))
+                            T.barrier_arrive(rows_full[item % 2])
                             reload(free, full, STATE, chunk_states[slot, hv, :, :], state, free_phase)
                             reload(free, full, DO, do[s : s + C, hv, :], do_tile, free_phase)
                             reload(free, full, STATE_GRAD, chunk_state_grads[slot, hv, :, :], state_grad, free_phase)
