@@ -135,8 +135,12 @@ def build_chunk_local_gradients(
 
     @T.macro
     def decay(gamma_tile, r, j, n):
-        """``E[r, j]``: ``exp(gamma_r - gamma_j)`` on ``j <= r < n``, else 0 (a select, never inf * 0)."""
-        return T.Select(j <= r and r < n, T.exp2(T.min(gamma_tile[r] - gamma_tile[j], T.float32(0))), T.float32(0))
+        """``E[r, j]``: ``exp(gamma_r - gamma_j)`` on ``j <= r < n``, else 0.  The exponent is clamped to
+        ``<= 0``, so the power is finite and a 0/1 mask can scale it (never inf * 0); the mask, not a
+        select around the power, keeps the loads of gamma unconditional, so that the compiler loads
+        each once, not once per element."""
+        return T.exp2(T.min(gamma_tile[r] - gamma_tile[j], T.float32(0))) * T.Select(
+            j <= r and r < n, T.float32(1), T.float32(0))
 
     @T.macro
     def accumulate(total, first, term):
@@ -271,15 +275,15 @@ def build_chunk_local_gradients(
             # Values role.
             wide = T.alloc_fragment([C, K], accum)  # Kbar, then U dS'^T, then d_k_gated
             u_acc = T.alloc_fragment([C, V], accum)
-            d_attn = T.alloc_fragment([C, C], accum)
+            d_attn = T.alloc_fragment([C, C], accum)  # -gated diag(G), then dO U^T, then d_qk
             x_decay = T.alloc_fragment([C, C], accum)  # Qn Kn^T, then X_decay
             dk_sum = T.alloc_fragment([C, K], accum)  # the gradient of Kn, summed over the unit's items
             values_rows = T.alloc_fragment([C], accum)
             # State role.
             d_w_acc = T.alloc_fragment([C, K], accum)
             dv_acc = T.alloc_fragment([C, V], accum)
-            d_gated = T.alloc_fragment([C, C], accum)  # d_gated, then d_gated o A0 o E, then X_gated
-            small = T.alloc_fragment([C, C], accum)  # A0^T d_a0, then dM
+            d_gated = T.alloc_fragment([C, C], accum)  # d_gated, then d_gated o A0 o E, then X_gated, then d_gram
+            small = T.alloc_fragment([C, C], accum)  # d_a0, then A0^T d_a0, then dM
             gram = T.alloc_fragment([C, C], accum)
             dq_gated = T.alloc_fragment([C, K], accum)  # dO S^T
             dq_sum = T.alloc_fragment([C, K], accum)  # the gradient of Qn, summed over the unit's items
@@ -348,16 +352,23 @@ def build_chunk_local_gradients(
 
                                         # --- Values role.  U = gated V + Kbar S, Kbar = (-gated diag(G)) Kn.
                                         T.barrier_wait(full[GATED], phase)
+                                        # Elementwise results go to shared memory through a fragment and one copy:
+                                        # a loop that loads and stores shared memory element by element runs
+                                        # serially (the compiler cannot move a load past a store that may alias
+                                        # it; clock64 traces: ~100 cycles an element).
                                         for r, j in T.Parallel(C, C):
-                                            a_keys[r, j] = T.cast(-gated[r, j] * gate[j], dtype)
+                                            d_attn[r, j] = -gated[r, j] * gate[j]
+                                        T.copy(d_attn, a_keys)
                                         # Q -> Qn and K -> Kn in place, for both roles and the unit's items.
                                         T.barrier_wait(full[Q_TILE], unit_phase)
                                         T.barrier_wait(full[K_TILE], unit_phase)
-                                        if first:
+                                        if l2norm and first:  # without the l2norm the inverse norms are ones
                                             for r, d in T.Parallel(C, K):
-                                                q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)
+                                                wide[r, d] = q_tile[r, d] * q_scale[r]
+                                            T.copy(wide, q_tile)
                                             for r, d in T.Parallel(C, K):
-                                                k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)
+                                                wide[r, d] = k_tile[r, d] * k_scale[r]
+                                            T.copy(wide, k_tile)
                                         hand_over(keys_ready)
                                         T.gemm(a_keys, k_tile, wide, clear_accum=True)
                                         T.copy(wide, kbar_u_op)
@@ -388,8 +399,9 @@ def build_chunk_local_gradients(
                                         T.wait_wgmma(0)
                                         for r, j in T.Parallel(C, C):
                                             e = decay(gamma_tile, r, j, n) * scale
-                                            d_qk_op[r, j] = T.cast(d_attn[r, j] * e, dtype)
                                             x_decay[r, j] = d_attn[r, j] * x_decay[r, j] * e
+                                            d_attn[r, j] = d_attn[r, j] * e
+                                        T.copy(d_attn, d_qk_op)
                                         hand_over(d_qk_ready)
                                         row_sums(x_decay, values_rows, decay_rows)
                                         column_sums(x_decay, T.view(kbar_u_op, [C, C], accum), decay_cols, tx)  # U is dead
@@ -473,10 +485,11 @@ def build_chunk_local_gradients(
 
                                         # Through the inverse: d_a0 = d_gated o E diag(beta); X_gated = d_gated o A0 o E diag(beta).
                                         T.barrier_wait(full[A0], phase)
-                                        for r, j in T.Parallel(C, C):
+                                        for r, j in T.Parallel(C, C):  # (small: free until A0^T d_a0)
                                             e = decay(gamma_tile, r, j, n)
-                                            inverse_op[r, j] = T.cast(d_gated[r, j] * e * beta_tile[j], dtype)
+                                            small[r, j] = d_gated[r, j] * e * beta_tile[j]
                                             d_gated[r, j] = d_gated[r, j] * a0[r, j] * e
+                                        T.copy(small, inverse_op)
                                         column_sums(d_gated, T.view(du_tile, [C, C], accum), gated_cols, tx - ROLE_THREADS)
                                         T.barrier_arrive(free[DU])  # its tile held the sums' staging
                                         for r, j in T.Parallel(C, C):
@@ -486,10 +499,10 @@ def build_chunk_local_gradients(
                                         T.copy(small, inverse_op)  # A0^T d_a0
                                         T.gemm(inverse_op, a0, small, transpose_B=True, clear_accum=True)
                                         T.barrier_arrive(free[A0])
-                                        for r, j in T.Parallel(C, C):
+                                        for r, j in T.Parallel(C, C):  # (d_gated: X_gated's sums are taken)
                                             small[r, j] = T.Select(j < r and r < n, -small[r, j], T.float32(0))  # dM
-                                        for r, j in T.Parallel(C, C):
-                                            inverse_op[r, j] = T.cast(beta_tile[r] * small[r, j], dtype)  # d_gram = diag(beta) dM
+                                            d_gated[r, j] = beta_tile[r] * small[r, j]  # d_gram = diag(beta) dM
+                                        T.copy(d_gated, inverse_op)
                                         hand_over(d_gram_ready)
                                         # dbeta's second term: rowsum(dM o Kn Kn^T).
                                         T.gemm(k_tile, k_tile, gram, transpose_B=True, clear_accum=True)
