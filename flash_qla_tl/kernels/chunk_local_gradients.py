@@ -363,12 +363,11 @@ def build_chunk_local_gradients(
                                         T.barrier_wait(full[Q_TILE], unit_phase)
                                         T.barrier_wait(full[K_TILE], unit_phase)
                                         if l2norm and first:  # without the l2norm the inverse norms are ones
+                                            # In place: each thread loads and stores the same 16-byte pieces.
                                             for r, d in T.Parallel(C, K):
-                                                wide[r, d] = q_tile[r, d] * q_scale[r]
-                                            T.copy(wide, q_tile)
+                                                q_tile[r, d] = T.cast(q_tile[r, d] * q_scale[r], dtype)
                                             for r, d in T.Parallel(C, K):
-                                                wide[r, d] = k_tile[r, d] * k_scale[r]
-                                            T.copy(wide, k_tile)
+                                                k_tile[r, d] = T.cast(k_tile[r, d] * k_scale[r], dtype)
                                         hand_over(keys_ready)
                                         T.gemm(a_keys, k_tile, wide, clear_accum=True)
                                         T.copy(wide, kbar_u_op)
