@@ -262,6 +262,7 @@ def build_chunk_local_gradients(
             STATE, DO, STATE_GRAD, V_TILE, GATED, DU, A0, Q_TILE, K_TILE = range(9)
             keys_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)  # Kn, Qn
             d_w_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
+            d_w_read = T.alloc_barrier(arrive_count=ROLE_THREADS)  # the values role's GEMM has read d_w
             d_qk_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             d_gram_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             # Per item: the row values and the padding's zeros (values role), and the state role's row sums.
@@ -407,6 +408,7 @@ def build_chunk_local_gradients(
                                         T.gemm(d_qk_op, q_tile, dk_sum, transpose_A=True)
                                         T.barrier_wait(d_w_ready, phase)
                                         T.gemm(gated, d_w_op, wide, transpose_A=True, clear_accum=True)  # d_k_gated
+                                        T.barrier_arrive(d_w_read)
                                         T.barrier_arrive(free[GATED])
                                         for r, d in T.Parallel(C, K):
                                             dk_sum[r, d] = dk_sum[r, d] + gate[r] * wide[r, d]
@@ -440,17 +442,24 @@ def build_chunk_local_gradients(
                                         if tx < n:
                                             dg[s + tx, hv] = serial_sum(lambda j: T.Select(j >= tx, q_gate_sum[j], tail_sum[j]), C)
                                     else:
-                                        T.barrier_wait(rows_ready, phase)
-                                        # --- State role.  d_w = -dU S^T; dq's first term dO S^T.
+                                        # --- State role.  d_w = -dU S^T; dq's first term dO S^T.  Neither needs the
+                                        # row values, so on a whole chunk they run while the values role finishes
+                                        # the previous item (the state role's wait for it was ~1.8K cycles an item,
+                                        # clock64 traces); a short chunk's padding rows are zeroed first.
+                                        if n < C:
+                                            T.barrier_wait(rows_ready, phase)
                                         T.barrier_wait(full[DU], phase)
                                         T.barrier_wait(full[STATE], phase)
                                         T.barrier_wait(full[DO], phase)
                                         T.gemm(du_tile, state, d_w_acc, transpose_B=True, clear_accum=True)
+                                        T.barrier_wait(d_w_read, phase ^ 1)  # the previous item's d_w has been read
                                         for r, d in T.Parallel(C, K):
                                             d_w_op[r, d] = T.cast(-d_w_acc[r, d], dtype)
                                         hand_over(d_w_ready)
                                         T.gemm(do_tile, state, dq_gated, transpose_B=True, clear_accum=True)
                                         T.barrier_arrive(free[DO])
+                                        if n == C:
+                                            T.barrier_wait(rows_ready, phase)  # and the values role's reads of state_dot
 
                                         # <S, dS'> as V partial sums, a column of S o dS' per thread: a warp reads 64
                                         # contiguous bytes of a row per step and no thread waits for another (a
