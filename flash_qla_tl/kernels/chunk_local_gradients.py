@@ -66,7 +66,9 @@ def build_chunk_local_gradients(
     alone, it would load, then compute, then load again.  Here a loader warpgroup
     reloads each input tile for the program's next item as soon as both roles are
     done with it (one slot per tile, a ``full`` and a ``free`` mbarrier each; q and
-    k once per unit), so the next item's loads run under this item's GEMMs.  Two
+    k once per unit), so the next item's loads run under this item's GEMMs; it also
+    copies each item's per-row inputs (gamma, beta, the inverse norms) two items
+    ahead into a small double buffer (``rows_full`` / ``rows_free``).  Two
     warpgroups with a role each do the math, so that their GEMM chains overlap and
     every row lives in one warpgroup (row sums within a quad):
 
@@ -76,9 +78,18 @@ def build_chunk_local_gradients(
 
     They hand each other four operands through shared memory, each behind an
     mbarrier: ``Kn``/``Qn`` (normalised by the values role in place, once per
-    unit), ``d_w``, ``d_qk`` and ``d_gram``; two more order each item: the values
-    role loads the per-row values (and zeros a short chunk's padding) for both, the
-    state role leaves its row sums for the values role's ``dg`` and ``dbeta``.
+    unit, with the l2norm), ``d_w`` (and back, ``d_w_read``: the values role has
+    read it, so the next one may be stored), ``d_qk`` and ``d_gram``; two more order
+    each item: the values role publishes the per-row values (and zeros a short
+    chunk's padding) for both, the state role leaves its row sums for the values
+    role's ``dg`` and ``dbeta``.  On a whole chunk the state role forms its first
+    two GEMMs before the row values arrive.
+
+    The roles' instruction streams, not the loads, set an item's time (clock64
+    traces, notes/backward-budget.md items 13-16), so elementwise results reach
+    shared memory through a fragment and one copy: a loop that stores each element
+    cannot load the next element's operands before that store completes (the
+    compiler cannot prove they do not alias).
     """
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
