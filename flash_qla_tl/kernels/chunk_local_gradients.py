@@ -94,6 +94,7 @@ def build_chunk_local_gradients(
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
     assert C == 64 and K == 2 * C and num_v_heads % num_qk_heads == 0  # K == 2C: <S, dS'> over 64 rows of dg
+    assert C % 4 == 0 and K % 4 == 0  # serial_sum's four partial sums take every term
     assert V == ROLE_THREADS  # <S, dS'>: a column of S o dS' per state-role thread
     group = num_v_heads // num_qk_heads
     accum = "float32"
@@ -122,7 +123,7 @@ def build_chunk_local_gradients(
     @T.macro
     def serial_sum(term, count):
         """``sum_i term(i)`` over ``i < count`` in the calling thread (four interleaved partial sums: four
-        dependent adds in flight)."""
+        dependent adds in flight).  ``count`` is C or K here, multiples of 4 (asserted above)."""
         p0 = T.alloc_var(accum, init=0)
         p1 = T.alloc_var(accum, init=0)
         p2 = T.alloc_var(accum, init=0)
