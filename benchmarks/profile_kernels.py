@@ -3,15 +3,23 @@
     python benchmarks/profile_kernels.py --heads 16x32 --lengths 4096x8 [--backward 1] [--graph 1]
     python benchmarks/profile_kernels.py --package .ab/main/flash_qla_tl     # another revision's package
     python benchmarks/profile_kernels.py --package flash-qla                # the peer (its own kernels)
+    python benchmarks/profile_kernels.py --backward 1 --graph 1 --timeline 1  # one replayed call, kernel by kernel
+
+``--timeline 1`` prints one call's kernels in start order with their stream, start and
+end (microseconds from the call's first kernel) and the time no kernel of the call ran:
+where the critical path waits, which the per-kernel table cannot show.
 """
 
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_backward import backward_step  # noqa: E402
 from bench_forward import load_candidate, single_problem  # noqa: E402
 from timing import CALLS_PER_GRAPH, capture  # noqa: E402
 
@@ -37,19 +45,16 @@ def main():
         p.add_argument("--graph", type=int, default=0,
                        help="profile replays of the benchmarks' CUDA graph (every kernel the graph holds) instead of "
                             "eager calls")
+        p.add_argument("--timeline", type=int, default=0, help="also print one call's kernels in start order")
 
     args, (hqk, hv), x = single_problem(__doc__, "16x32", "4096x8", options)
-    if args.graph and args.backward:
-        raise SystemExit("--graph profiles the forward only (bench_backward.py captures the backward)")
     chunk_gated_delta_rule = operator(args.package)
     forward = lambda: chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=bool(args.l2norm))
     call = forward
-    if args.backward:
-        for name in ("q", "k", "v", "g", "beta"):
-            x[name].requires_grad_()
+    if args.backward:  # as bench_backward.py times it: every input's gradient from one forward's graph
         o, ht = forward()
-        grads = (torch.randn_like(o), torch.randn_like(ht))
-        call = lambda: torch.autograd.backward((o, ht), grads, retain_graph=True)
+        grads = [torch.randn_like(o), torch.randn_like(ht)]
+        call = backward_step(chunk_gated_delta_rule, x, grads, bool(args.l2norm))
     if args.graph:
         graph, _ = capture(call, CALLS_PER_GRAPH)
         call = graph.replay
@@ -64,6 +69,31 @@ def main():
     print(f"({hqk},{hv}) {args.lengths} {'backward' if args.backward else 'forward'}: {calls} calls"
           f"{' in CUDA-graph replays' if args.graph else ''}{' of ' + args.package if args.package else ''}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    if args.timeline:
+        print_timeline(prof, calls)
+
+
+def print_timeline(prof, calls: int):
+    """The kernels of the middle one of ``calls`` equal calls (each call's kernels in start order), and the
+    time inside that call when no kernel of it ran."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per_call = len(kernels) // calls
+    if per_call * calls != len(kernels):
+        print(f"timeline: {len(kernels)} kernels in {calls} calls, not a multiple; not printed")
+        return
+    one = kernels[per_call * (calls // 2):per_call * (calls // 2 + 1)]
+    t0 = one[0]["ts"]
+    busy_until, idle = t0, 0.0
+    print(f"{'start us':>9} {'end us':>9} {'us':>8} stream  kernel")
+    for e in one:
+        start, end = e["ts"] - t0, e["ts"] + e["dur"] - t0
+        idle += max(0.0, e["ts"] - busy_until)
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+        print(f"{start:9.1f} {end:9.1f} {e['dur']:8.1f} {e['args'].get('stream', '?'):>6}  {e['name'][:70]}")
+    print(f"call: {busy_until - t0:.1f} us from first start to last end, {idle:.1f} us with no kernel running")
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ segments that run side by side (:func:`chain_segments`):
 
 The backward's reverse pass is affine in the same way (the gradient entering a
 segment is ``L_seg dS_leaving + b_seg``), walked from each sequence's end: the
-scan then runs over the segments in reverse order (:func:`reversed_segments`).
-``L_seg`` is ``M_seg^T`` (the gradient of a linear map is its transpose), so
-where the forward ran in segments its backward reuses them: the recompute runs
-step 3 alone from the forward's entry states, and the reverse pass skips its
-transition pass (``hopper_forward.SegmentStates``).
+scan then takes each sequence's segments last to first.  ``L_seg`` is
+``M_seg^T`` (the gradient of a linear map is its transpose), so where the
+forward ran in segments its backward reuses them: the recompute runs step 3
+alone from the forward's entry states, and the reverse pass skips its
+transition pass, its scan multiplying by the forward's ``M_seg`` transposed
+(``hopper_forward.SegmentStates``).
 This is exact (no decay-based truncation).  It costs three passes instead of
 one, so it is used only when it spreads the work over at least
 ``MIN_SEGMENTS`` times more programs.  The plan reads shapes only, never device
@@ -118,15 +119,6 @@ planning.DEVICE_BUILDS.update({segment_table: device_segment_table,
                                segment_chunk_table: device_segment_chunk_table})
 
 
-def reversed_segments(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int) -> torch.Tensor:
-    """``[U]`` int64: the segment slots with each sequence's segments in reverse order (an involution;
-    unused slots map to themselves)."""
-    start, end, seq, first, count = planning.split_sequences(cu_seqlens, total_tokens, seg_len)
-    slot = torch.arange(start.numel(), device=start.device)
-    inside = (slot >= first[seq]) & (slot < first[seq] + count[seq])
-    return torch.where(inside, 2 * first[seq] + count[seq] - 1 - slot, slot)
-
-
 class SegmentChain(NamedTuple):
     """What :func:`chain_segments` learns: each sequence's final state, and per segment slot (``[U, Hv, K, *]``
     fp32) its entry state and its transition ``M_seg``."""
@@ -136,33 +128,35 @@ class SegmentChain(NamedTuple):
     transition: torch.Tensor
 
 
-def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, order=None,
-                   transition=None) -> SegmentChain:
+def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, backwards=False,
+                   transposed_maps=None) -> SegmentChain:
     """Steps 1-3 of the module docstring for one affine pass over segments.
 
     ``run(values, start, last)`` runs the pass over the segments ``seg_cu`` from the
     per-segment states ``start`` (None: zero), with ``values`` (None: zero values, the
     transition pass), and returns the states it ends in,
     ``[U, Hv, K, V]`` fp32; ``last`` marks step 3, whose other outputs are the
-    real ones.  ``initial`` ``[N, Hv, K, V]`` fp32 starts each sequence; ``order``
-    (from :func:`reversed_segments`) makes the scan walk the segments backwards.
-    ``transition``: the segments' transitions where they are known already (the
-    backward's reverse pass takes the forward's, transposed: its map from the
-    gradient leaving a segment to the one entering it is ``M_seg^T``), which skips
-    the transition pass.  The entry states and transitions returned are in slot order.
+    real ones.  ``initial`` ``[N, Hv, K, V]`` fp32 starts each sequence.
+    ``backwards``: the pass walks each sequence from its end (the reverse pass), so
+    the scan takes its segments last to first.  ``transposed_maps``: ``[U, Hv, K, K]``
+    fp32, the transposes of the segments' maps where they are known already (the
+    reverse pass takes the forward's transitions ``M_seg``: its map from the gradient
+    leaving a segment to the one entering it is ``M_seg^T``), which skips the
+    transition pass.  Returns the entry states in slot order, and as ``transition``
+    the matrices the scan read (the maps, or ``transposed_maps``).
     """
     from .kernels.compile import compile_program
     from .kernels.segment_scan import build_segment_scan
 
     offset = run(values, None, False)
     num_segs, hv, kdim, vdim = offset.shape
-    if transition is None:
+    if transposed_maps is None:
         identity = torch.eye(kdim, device=offset.device).expand(num_segs, hv, kdim, kdim).contiguous()
         transition = run(None, identity, False)  # K == V: M rides in a state's columns
-    scanned_transition, scanned_offset = (transition, offset) if order is None else (transition[order], offset[order])
+    else:
+        transition = transposed_maps
     entry, final = torch.empty_like(offset), torch.empty_like(initial)
-    compile_program(build_segment_scan, hv, kdim, vdim)(scanned_transition.contiguous(), scanned_offset, initial,
-                                                       first_segment, num_segments, entry, final)
-    entry = entry if order is None else entry[order]
+    scan = compile_program(build_segment_scan, hv, kdim, vdim, backwards, transposed_maps is not None)
+    scan(transition, offset, initial, first_segment, num_segments, entry, final)
     run(values, entry, True)
     return SegmentChain(final, entry, transition)

@@ -131,7 +131,6 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
         offsets, first_segment, num_segments = planning.table(
             context_parallel.segment_table, ops.plan_offsets, total, seg_len)
         chunk_table = planning.table(context_parallel.segment_chunk_table, ops.plan_offsets, total, seg_len)
-        order = planning.table(context_parallel.reversed_segments, ops.plan_offsets, total, seg_len)
     states = torch.empty(total // CHUNK + offsets.numel(), hv, kdim, vdim, dtype=ops.v.dtype, device=device)
     state_grads, du = torch.empty_like(states), torch.empty_like(ops.v)
     placeholder = hopper_forward.placeholder_state(hv, kdim, vdim, device)
@@ -170,9 +169,9 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
     if seg_len is None:
         dh0 = reverse(do_packed, end, True)
     else:
-        transition = None if segments is None else segments.transition.transpose(-1, -2)
         dh0 = context_parallel.chain_segments(reverse, do_packed, zero() if end is None else end, offsets,
-                                              first_segment, num_segments, order, transition).final
+                                              first_segment, num_segments, backwards=True,
+                                              transposed_maps=None if segments is None else segments.transition).final
     main.wait_stream(side)
     return states, state_grads, du, dh0, chunk_table
 

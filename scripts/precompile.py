@@ -75,9 +75,10 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
     correction = lambda b, segments=False: value_correction(StatePassPlan(b, 2048 if segments else None))
     out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, correction(b)))
             for (h0, ht), b in itertools.product(flags, widths)]
-    if all_flags:  # context parallelism: its scan, its first two passes (states only; the second with zero
-        # values) and its last pass
-        out.append((build_segment_scan, (hv, 128, 128)))
+    if all_flags:  # context parallelism: its scans (the forward's; the reverse pass's by its own maps or by the
+        # forward's transposed), its first two passes (states only; the second with zero values) and its last pass
+        out += [(build_segment_scan, (hv, 128, 128, backwards, transposed))
+                for backwards, transposed in ((False, False), (True, False), (True, True))]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, True,
                                        correction(b, True))) for b in widths]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, True, b, False, False, False,

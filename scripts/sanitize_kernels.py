@@ -7,8 +7,9 @@ one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm
 the forward under every state-pass plan (each value-block width, and context
 parallelism with its segment scan), then forward + backward through autograd
 (the recompute, the scores and the reverse walk, the local gradient kernel), the
-backward with its walks at each width of their own (32 columns: the scores kernel),
-and the backward in the segments of forwards that kept them (narrow and whole-head); then
+backward with its walks at each width of their own (32 columns: the scores kernel) and
+in segments of their own, and the backward in the segments of forwards that kept them
+(narrow and whole-head); then
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
 its state once in a new tensor and once updated in place; and the layer's
 conv step and gated RMSNorm (``hopper_layer.py``).  The
@@ -71,10 +72,10 @@ def check_layer_glue():
     assert rel_rms(y, want) <= TOL
 
 
-def backward_with_walks_at(block_v, *args):
-    """``hopper_backward.chunk_backward(*args)`` with the walks planned at ``block_v`` columns, unsplit."""
+def backward_with_walks(plan, *args):
+    """``hopper_backward.chunk_backward(*args)`` with the walks' own plan ``plan``."""
     own = hopper_backward.plan_walks
-    hopper_backward.plan_walks = lambda *_: hopper_forward.StatePassPlan(block_v, None)
+    hopper_backward.plan_walks = lambda *_: plan
     try:
         return hopper_backward.chunk_backward(*args)
     finally:
@@ -121,7 +122,11 @@ def main():
         inputs = (*(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"], do.to(o.dtype), dht, True,
                   x["cu_seqlens"])
         for block_v in hopper_backward.WALK_WIDTHS:  # the walks' own plan at each width, unsplit
-            runs[f"backward, walks at {block_v} columns"] = backward_with_walks_at(block_v, *inputs)
+            plan = hopper_forward.StatePassPlan(block_v, None)
+            runs[f"backward, walks at {block_v} columns"] = backward_with_walks(plan, *inputs)
+        # the walks split into segments of their own (four chunks): the reverse scan by the reverse maps
+        plan = hopper_forward.StatePassPlan(32, 256)
+        runs["backward, walks in segments of their own"] = backward_with_walks(plan, *inputs)
         # the walks in the segments a forward kept (the recompute from its entry states, the reverse
         # scan with its transitions), after narrow and whole-head forwards; in one-chunk segments
         # (16 x Hv of them) the reverse pass takes whole heads on 132 SMs (plan_walks_in_segments)

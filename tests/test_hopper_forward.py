@@ -232,7 +232,10 @@ def test_offsets_rewritten_in_place_are_planned_again():
     _check(x)
 
 
-def test_segment_scan_composes_affine_segment_maps():
+@pytest.mark.parametrize("backwards, transposed", [(False, False), (True, False), (True, True)])
+def test_segment_scan_composes_affine_segment_maps(backwards, transposed):
+    """The scan's entry states and final states against the float64 chain of maps, forwards (the forward's
+    scan) and backwards by the maps or their transposes (the reverse pass's), with an empty sequence."""
     from flash_qla_tl import context_parallel
     from flash_qla_tl.kernels.compile import compile_program
     from flash_qla_tl.kernels.segment_scan import build_segment_scan
@@ -243,12 +246,14 @@ def test_segment_scan_composes_affine_segment_maps():
     h = torch.randn(num_segs, 8, D, D, device="cuda")
     s0 = torch.randn(3, 8, D, D, device="cuda")
     entry, final = torch.full_like(h, math.nan), torch.full_like(s0, math.nan)
-    compile_program(build_segment_scan, 8, D, D)(m, h, s0, first, count, entry, final)
+    compile_program(build_segment_scan, 8, D, D, backwards, transposed)(m, h, s0, first, count, entry, final)
+    maps = m.double().transpose(-1, -2) if transposed else m.double()
     for n in range(3):
         s = s0[n].double()
-        for i in range(first[n], first[n] + count[n]):
+        steps = range(first[n], first[n] + count[n])
+        for i in reversed(steps) if backwards else steps:
             assert rel_rms(entry[i], s) < 1e-5
-            s = m[i].double() @ s + h[i].double()
+            s = maps[i] @ s + h[i].double()
         assert rel_rms(final[n], s) < 1e-5
 
 

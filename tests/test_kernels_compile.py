@@ -75,9 +75,11 @@ def test_gated_rms_norm_compiles(dtype):
     assert "__syncthreads" not in source  # a row's sum of squares stays in one warp
 
 
-def test_segment_scan_compiles():
-    source = compile_program(build_segment_scan, 8, 128, 128).get_kernel_source()
+@pytest.mark.parametrize("backwards, transposed", [(False, False), (True, False), (True, True)])
+def test_segment_scan_compiles(backwards, transposed):
+    source = compile_program(build_segment_scan, 8, 128, 128, backwards, transposed).get_kernel_source()
     assert "cp_async_wait" in source  # the next segment's M streams in while this one multiplies
+    assert source.count("*(float4*)(m_rows") == 1  # M's four values for a thread's rows or terms in one load
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -71,19 +71,9 @@ def test_tables_are_built_once_per_offsets_and_again_after_a_write():
     assert torch.equal(planning.table(planning.chunk_table, cu, 300), planning.chunk_table(cu, 300))
 
 
-def test_reversed_segments_reverse_each_sequence_and_are_an_involution():
-    cu = torch.tensor([0, 700, 700, 900, 3000])
-    order = context_parallel.reversed_segments(cu, 3000, 256)
-    _, first, count = context_parallel.segment_table(cu, 3000, 256)
-    assert torch.equal(order[order], torch.arange(order.numel()))
-    for f, n in zip(first.tolist(), count.tolist()):
-        assert order[f:f + n].tolist() == list(range(f + n - 1, f - 1, -1))
-    assert order[int((first + count)[-1]):].tolist() == list(range(int((first + count)[-1]), order.numel()))
-
-
 @pytest.mark.parametrize("build, args", [
     (planning.chunk_table, (9000,)), (context_parallel.segment_table, (9000, 2048)),
-    (context_parallel.segment_chunk_table, (9000, 2048)), (context_parallel.reversed_segments, (9000, 2048))])
+    (context_parallel.segment_chunk_table, (9000, 2048))])
 def test_tables_are_built_on_the_offsets_device(build, args):
     """During CUDA-graph capture every table is built from device offsets (by its PyTorch form where it has
     no kernel): no tensor of it may be made on the CPU.  Offsets on the meta device show any that is."""

@@ -19,6 +19,18 @@ The product was one scalar, 16-way conflicted load of ``M`` per FMA, and ``M``
 was loaded synchronously at the top of each step: 72 us for (2, 8) and one
 32K-token sequence in 16 segments (H100, 2026-11-24, eager profile,
 ``benchmarks/profile_kernels.py``).
+
+The backward's reverse pass scans each sequence's segments from its end
+(``backwards``), and where its maps are the forward's transitions, by their
+transposes (``transposed``: ``L_seg = M_seg^T``).  Both are the kernel's own
+indexing: gathering the tables into reversed order and transposing ``M`` in
+memory took four PyTorch kernels and ~35 us, building the reversed order ~40
+small kernels and ~78 us under CUDA-graph capture, on the backward's critical
+path at (2, 8) and one 32K-token sequence (H100, 2026-11-25, graph timeline of
+``profile_kernels.py``).  A transposed step reads ``M`` down its columns: a
+thread then owns four adjacent rows of the product (not rows 32 apart), so
+that its four values of a column of ``M`` are one 16-byte load, and the eight
+row groups of a warp read one contiguous 128-byte run of a row of ``M``.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
@@ -30,13 +42,32 @@ ROWS, COLS = 4, 2  # a thread's register tile: ROWS rows 32 apart, COLS adjacent
 PAD = 4  # floats added to each row of M in shared memory (keeps rows 16-byte aligned)
 
 
-def build_segment_scan(num_v_heads: int, head_dim_k: int, head_dim_v: int):
-    """``(transition, offset, initial, first_segment, num_segments) -> (entry, final)``; U and N symbolic."""
+def build_segment_scan(num_v_heads: int, head_dim_k: int, head_dim_v: int, backwards: bool = False,
+                       transposed: bool = False):
+    """``(transition, offset, initial, first_segment, num_segments) -> (entry, final)``; U and N symbolic.
+
+    ``backwards``: each sequence's segments are taken last to first; ``transposed``:
+    a step multiplies by ``transition^T``.  Entries are written at the segments' own
+    slots either way.
+    """
     H, K, V = num_v_heads, head_dim_k, head_dim_v
     row_groups = THREADS // (BLOCK_V // COLS)  # threads along the rows: 32
     assert K == row_groups * ROWS and V % BLOCK_V == 0, (K, V)
     num_segs = T.dynamic("U")
     num_seqs = T.dynamic("N")
+
+    def row(r0, a):
+        """Row of the product held at a thread's ``a``-th register row."""
+        return ROWS * r0 + a if transposed else r0 + row_groups * a
+
+    def segment(first, count, i):
+        """The segment slot of a sequence's step ``i``."""
+        return first + count - 1 - i if backwards else first + i
+
+    def m_index(a, e):
+        """Where ``M``'s value for row ``a`` and term ``e`` sits in ``m_rows``: contiguous along what one
+        vector load reads (``a`` when transposed, ``e`` otherwise)."""
+        return e * ROWS + a if transposed else a * 4 + e
 
     @T.macro
     def prefetch(transition, m, segment, h, stage):
@@ -57,43 +88,48 @@ def build_segment_scan(num_v_heads: int, head_dim_k: int, head_dim_v: int):
             m = T.alloc_shared([2, K, K + PAD], "float32")
             state = T.alloc_shared([K, BLOCK_V], "float32")
             acc = T.alloc_local([ROWS * COLS], "float32")
-            m_rows = T.alloc_local([ROWS * 4], "float32")  # M[r + 32 a, j .. j + 3]
+            m_rows = T.alloc_local([ROWS * 4], "float32")  # M's values for rows row(r0, a), terms j .. j + 3
             s_cols = T.alloc_local([4 * COLS], "float32")  # S[j + e, c .. c + 1]
             tx = T.get_thread_binding()
-            r0 = tx // (BLOCK_V // COLS)  # rows r0 + 32 a
+            r0 = tx // (BLOCK_V // COLS)
             c0 = (tx % (BLOCK_V // COLS)) * COLS
             v0 = iv * BLOCK_V
             first = first_segment[n]
             count = num_segments[n]
-
-            prefetch(transition, m, first, h, 0)
+            # (An empty sequence takes no step; its prefetch is clamped into the table.)
+            prefetch(transition, m, segment(first, count, 0), h, 0)
             T.copy(initial[n, h, :, v0 : v0 + BLOCK_V], state)
             for i in T.serial(count):
                 st = i % 2
-                T.copy(state, entry[first + i, h, :, v0 : v0 + BLOCK_V])
+                T.copy(state, entry[segment(first, count, i), h, :, v0 : v0 + BLOCK_V])
                 # The buffer M_{i+1} goes to was last read by step i - 1, before the barrier ending it.
                 # (The last step reloads its own M into it: a clamped, unread copy keeps one group per step.)
-                prefetch(transition, m, first + T.min(i + 1, count - 1), h, 1 - st)
+                prefetch(transition, m, segment(first, count, T.min(i + 1, count - 1)), h, 1 - st)
                 for a in T.unroll(ROWS):
                     for c in T.vectorized(COLS):
-                        acc[a * COLS + c] = offset[first + i, h, r0 + row_groups * a, v0 + c0 + c]
+                        acc[a * COLS + c] = offset[segment(first, count, i), h, row(r0, a), v0 + c0 + c]
                 T.ptx_wait_group(1)  # every group but the newest: M_i is in
                 T.sync_threads()
                 for jj in T.serial(K // 4):
-                    for a in T.unroll(ROWS):
-                        for e in T.vectorized(4):
-                            m_rows[a * 4 + e] = m[st, r0 + row_groups * a, jj * 4 + e]
+                    if transposed:  # M^T[row, j + e] = M[j + e, row]: four adjacent rows in one load
+                        for e in T.unroll(4):
+                            for a in T.vectorized(ROWS):
+                                m_rows[m_index(a, e)] = m[st, jj * 4 + e, row(r0, a)]
+                    else:
+                        for a in T.unroll(ROWS):
+                            for e in T.vectorized(4):
+                                m_rows[m_index(a, e)] = m[st, row(r0, a), jj * 4 + e]
                     for e in T.unroll(4):
                         for c in T.vectorized(COLS):
                             s_cols[e * COLS + c] = state[jj * 4 + e, c0 + c]
                     for e in T.unroll(4):
                         for a in T.unroll(ROWS):
                             for c in T.unroll(COLS):
-                                acc[a * COLS + c] += m_rows[a * 4 + e] * s_cols[e * COLS + c]
+                                acc[a * COLS + c] += m_rows[m_index(a, e)] * s_cols[e * COLS + c]
                 T.sync_threads()  # every thread has read S_i and M_i
                 for a in T.unroll(ROWS):
                     for c in T.vectorized(COLS):
-                        state[r0 + row_groups * a, c0 + c] = acc[a * COLS + c]
+                        state[row(r0, a), c0 + c] = acc[a * COLS + c]
                 T.sync_threads()
             T.ptx_wait_group(0)  # no copy may outlive the program
             T.copy(state, final[n, h, :, v0 : v0 + BLOCK_V])
