@@ -6,7 +6,9 @@ segments that run side by side (:func:`chain_segments`):
 
 1. every segment runs from a zero state, giving ``h_seg``, and from the identity
    with zero values, giving its transition ``M_seg`` (the state map is affine:
-   ``S_end = M_seg S_start + h_seg``);
+   ``S_end = M_seg S_start + h_seg``; the passes' kernels make the identity in
+   registers: a tensor of identities cost two PyTorch kernels, ~8 us at (2, 8) and
+   one 32K-token sequence, H200);
 2. a short scan (``kernels/segment_scan.py``, fp32) gives every segment its true
    entry state ``S_{i+1} = M_i S_i + h_i`` and every sequence its final state;
 3. all segments run the normal pass from their entry states.
@@ -133,8 +135,8 @@ def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, ba
     """Steps 1-3 of the module docstring for one affine pass over segments.
 
     ``run(values, start, last)`` runs the pass over the segments ``seg_cu`` from the
-    per-segment states ``start`` (None: zero), with ``values`` (None: zero values, the
-    transition pass), and returns the states it ends in,
+    per-segment states ``start`` (None: zero), with ``values`` (None: zero values from the
+    identity, ``start`` None: the transition pass), and returns the states it ends in,
     ``[U, Hv, K, V]`` fp32; ``last`` marks step 3, whose other outputs are the
     real ones.  ``initial`` ``[N, Hv, K, V]`` fp32 starts each sequence.
     ``backwards``: the pass walks each sequence from its end (the reverse pass), so
@@ -149,10 +151,9 @@ def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, ba
     from .kernels.segment_scan import build_segment_scan
 
     offset = run(values, None, False)
-    num_segs, hv, kdim, vdim = offset.shape
+    _, hv, kdim, vdim = offset.shape
     if transposed_maps is None:
-        identity = torch.eye(kdim, device=offset.device).expand(num_segs, hv, kdim, kdim).contiguous()
-        transition = run(None, identity, False)  # K == V: M rides in a state's columns
+        transition = run(None, None, False)  # K == V: M rides in a state's columns
     else:
         transition = transposed_maps
     entry, final = torch.empty_like(offset), torch.empty_like(initial)

@@ -142,7 +142,8 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
                                          chunk_states=states if last else None)
 
     def reverse(d_out, end, last):
-        # Only the last pass writes dU and dS'; the transition pass (d_out None) has no output gradient.
+        # Only the last pass writes dU and dS'; the transition pass (d_out None) has no output gradient
+        # and starts from the identity (end None).
         grads = torch.empty(offsets.numel() - 1, hv, kdim, vdim, dtype=torch.float32, device=device)
         kernel = compile_program(build_reverse_state_pass, hqk, hv, kdim, vdim, dtype, end is not None, plan.block_v,
                                  last, d_out is not None, loads_scores)

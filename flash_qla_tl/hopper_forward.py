@@ -215,7 +215,8 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
 def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: StatePassPlan, chunk_states=None):
     """One fused pass (step 2) over the sequences ``offsets`` describes; returns their final states.
 
-    ``values`` None: zero values, read from nowhere (context parallelism's transition pass).
+    ``values`` None: zero values, read from nowhere, from the identity (context parallelism's
+    transition pass; ``h0`` None).
     ``out`` receives the output (None: the pass only walks the states, as context
     parallelism's first two passes and the backward's recompute do);
     ``chunk_states`` (``[T // 64 + N + 1, Hv, K, V]`` in q's dtype, or None) receives

@@ -81,7 +81,7 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
                 for backwards, transposed in ((False, False), (True, False), (True, True))]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, True,
                                        correction(b, True))) for b in widths]
-        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, True, b, False, False, False,
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, False,
                                        correction(b, True))) for b in widths]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
                                        correction(b, True))) for b in widths]
@@ -94,8 +94,8 @@ def programs(hqk, hv, dtype, widths, all_flags, kernels):
                                               correction(b))))
             scores = b in SCORES_WIDTHS
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, True, True, scores)))
-            # context parallelism's first reverse pass (no state, no stores), its transition (no dO either)
-            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, False, not has_state,
+            # context parallelism's first reverse pass (no stores) and its transition pass (no dO either)
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, b, False, not has_state,
                                                    scores)))
         if all_flags:  # in the segments of a forward that ran whole-head programs in segments: the
             # recompute, and the reverse pass's first and last passes at whole heads

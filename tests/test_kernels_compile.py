@@ -137,10 +137,11 @@ def test_transition_pass_reads_no_values(correction):
     """Context parallelism's transition pass (zero values) loads no v: U = Kbar S with A_keys loaded (no
     A_values) or derived from A_values, or in the chain U = -Av diag(G rk) K S (A_values, no A_keys)."""
     block_v = 32 if correction == "in_chain" else 128
-    source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", True, True, block_v, False, False,
+    source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", False, True, block_v, False, False,
                              False, correction).get_kernel_source()
     loads_keys = correction == "kbar_loaded"
     assert "tma_load(k_desc" in source and "tma_load(v_desc" not in source
+    assert "(initial_state + " not in source  # from the identity, made in registers
     assert ("tma_load(A_keys_desc" in source) == loads_keys and ("tma_load(A_values_desc" in source) != loads_keys
 
 
@@ -185,14 +186,18 @@ def test_backward_passes_compile(hqk, hv, dtype, has_dht, block_v):
 
 
 def test_context_parallel_reverse_passes_compile():
-    """Context parallelism's first reverse pass stores nothing; its transition pass neither reads dO nor q."""
+    """Context parallelism's first reverse pass stores nothing; its transition pass neither reads dO nor q, nor
+    a start state (it starts from the identity, made in registers)."""
     first = compile_program(build_reverse_state_pass, 2, 8, 128, 128, "bfloat16", False, 64, False, True)
-    transition = compile_program(build_reverse_state_pass, 2, 8, 128, 128, "bfloat16", True, 64, False, False)
+    transition = compile_program(build_reverse_state_pass, 2, 8, 128, 128, "bfloat16", False, 64, False, False)
     for source in (first.get_kernel_source(), transition.get_kernel_source()):
         assert "tma_store(" not in source and "du[" not in source and "wgmma" in source
     assert "tma_load(do_desc" in first.get_kernel_source()
     assert "tma_load(do_desc" not in transition.get_kernel_source()
     assert "tma_load(q_desc" not in transition.get_kernel_source()
+    assert "(final_state_grad + " not in transition.get_kernel_source()
+    with pytest.raises(AssertionError):  # no start state to read for the transition pass
+        build_reverse_state_pass(2, 8, 128, 128, "bfloat16", True, 64, False, False)
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,l2norm", [(16, 32, "bfloat16", True), (2, 6, "float16", False)])

@@ -121,8 +121,9 @@ def build_chunk_forward(
 
     Without ``store_output`` the pass only walks the states (context parallelism's
     first two passes, the backward's recompute): no ``Q S``, ``P``, ``P U`` or ``o``.
-    Without ``read_values`` the values are zero (context parallelism's transition
-    pass, whose states are the segments' transition matrices): ``U = Kbar S``, and
+    Without ``read_values`` the values are zero and the pass starts from the identity,
+    made in registers (context parallelism's transition pass, whose states are the
+    segments' transition matrices; no ``initial_state`` then): ``U = Kbar S``, and
     no ``v`` is loaded, nor ``A_values`` where ``Kbar`` comes from ``A_keys`` (in the
     chain: ``W = -diag(G rk) K S``).  ``correction``: one of CORRECTIONS, where the value
     correction's ``Ak`` comes from (module docstring).
@@ -137,6 +138,7 @@ def build_chunk_forward(
     assert block_v in (32, 64, 128), block_v
     assert STAGES == 2  # P's ring is picked by stage parity
     assert read_values or not store_output, "zero values are for the states-only passes"
+    assert read_values or not has_initial_state, "the transition pass starts from the identity"
     assert correction in CORRECTIONS, correction
     kbar_in_prep, derive_keys = correction != "in_chain", correction == "kbar_derived"
     assert kbar_in_prep or block_v < V, "the chain's value correction is built for 32 and 64 columns"
@@ -248,7 +250,10 @@ def build_chunk_forward(
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
                 T.set_max_nreg(CHAIN_REGS, 1)
-                if has_initial_state:
+                if not read_values:  # the transition pass: the identity's columns v0 ..
+                    for d, j in T.Parallel(K, block_v):
+                        state[d, j] = T.if_then_else(d == v0 + j, T.float32(1), T.float32(0))
+                elif has_initial_state:
                     T.copy(initial_state[seq, hv, :, v0 : v0 + block_v], state)
                 else:
                     T.clear(state)

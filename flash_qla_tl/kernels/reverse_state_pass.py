@@ -28,7 +28,8 @@ initial state (fp32).
 Context parallelism (``context_parallel.chain_segments``) runs the pass three
 times; only the last one's dU and dS' are wanted (``store_outputs``), and the
 transition pass has no output gradient (``read_output_grad=False``: dU = diag(dte)
-K dS', dS = exp2(gamma_last) dS' + Kbar^T dU, without dO, q, P or their GEMMs).
+K dS', dS = exp2(gamma_last) dS' + Kbar^T dU, without dO, q, P or their GEMMs)
+and starts from the identity, made in registers (its map's columns ``v0 ..``).
 
 Warp roles as in the forward: 2 warpgroups run the chain (two rounds of
 tensor-core work per chunk, ``dS' -> dU -> dS``), 1 prepares the next chunk's
@@ -90,7 +91,8 @@ def build_reverse_state_pass(
 
     ``store_outputs=False``: dU and dS' are not written (``du`` and ``chunk_state_grads`` may be
     placeholders); ``read_output_grad=False``: ``do`` is taken as zero and not read (nor are q
-    and the output gates).  ``load_scores`` (narrow programs): ``P`` is read from ``scores``
+    and the output gates), and the walk starts from the identity (the transition pass: no
+    ``final_state_grad`` then).  ``load_scores`` (narrow programs): ``P`` is read from ``scores``
     (``chunk_scores``) instead of formed in prep; otherwise ``scores`` may be a placeholder.
     """
     import tilelang.language as T
@@ -103,6 +105,7 @@ def build_reverse_state_pass(
     gate_queries = block_v == 128
     kbar_in_prep = block_v == 128  # narrow programs: K^T (Ak^T dU) in the chain (module docstring)
     assert not (load_scores and kbar_in_prep), "whole-head programs form P in prep"
+    assert read_output_grad or not has_final_state_grad, "the transition pass starts from the identity"
     scores_loaded = load_scores and read_output_grad
     assert STAGES == 2  # the operand rings are picked by stage parity
     group = num_v_heads // num_qk_heads
@@ -184,7 +187,10 @@ def build_reverse_state_pass(
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
                 T.set_max_nreg(CHAIN_REGS, 1)
-                if has_final_state_grad:
+                if not read_output_grad:  # the transition pass: the identity's columns v0 ..
+                    for d, j in T.Parallel(K, block_v):
+                        ds[d, j] = T.if_then_else(d == v0 + j, T.float32(1), T.float32(0))
+                elif has_final_state_grad:
                     T.copy(final_state_grad[seq, hv, :, v0 : v0 + block_v], ds)
                 else:
                     T.clear(ds)
