@@ -4,8 +4,9 @@ The state passes are sequential over a sequence's chunks, so a few long
 sequences with few heads leave most SMs idle.  Each long sequence is cut into
 segments that run side by side (:func:`chain_segments`):
 
-1. every segment runs from a zero state, giving ``h_seg``, and from the identity
-   with zero values, giving its transition ``M_seg`` (the state map is affine:
+1. every segment runs from a zero state, giving ``h_seg``, and, side by side on a
+   second stream, from the identity with zero values, giving its transition
+   ``M_seg`` (the state map is affine:
    ``S_end = M_seg S_start + h_seg``; the passes' kernels make the identity in
    registers: a tensor of identities cost two PyTorch kernels, ~8 us at (2, 8) and
    one 32K-token sequence, H200);
@@ -121,6 +122,12 @@ planning.DEVICE_BUILDS.update({segment_table: device_segment_table,
                                segment_chunk_table: device_segment_chunk_table})
 
 
+@functools.lru_cache(maxsize=None)
+def transition_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream :func:`chain_segments` runs a transition pass on, one per device."""
+    return torch.cuda.Stream(device)
+
+
 class SegmentChain(NamedTuple):
     """What :func:`chain_segments` learns: each sequence's final state, and per segment slot (``[U, Hv, K, *]``
     fp32) its entry state and its transition ``M_seg``."""
@@ -150,12 +157,19 @@ def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, ba
     from .kernels.compile import compile_program
     from .kernels.segment_scan import build_segment_scan
 
-    offset = run(values, None, False)
-    _, hv, kdim, vdim = offset.shape
     if transposed_maps is None:
-        transition = run(None, None, False)  # K == V: M rides in a state's columns
+        # The transition pass does not depend on the offset pass: it runs on a stream of its own, so that
+        # where one pass's programs leave SMs idle (few heads) the two fill them together.
+        main, side = torch.cuda.current_stream(initial.device), transition_stream(initial.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            transition = run(None, None, False)  # K == V: M rides in a state's columns
+        offset = run(values, None, False)
+        main.wait_stream(side)
+        transition.record_stream(main)  # made on the side stream, read and freed on this one
     else:
-        transition = transposed_maps
+        offset, transition = run(values, None, False), transposed_maps
+    _, hv, kdim, vdim = offset.shape
     entry, final = torch.empty_like(offset), torch.empty_like(initial)
     scan = compile_program(build_segment_scan, hv, kdim, vdim, backwards, transposed_maps is not None)
     scan(transition, offset, initial, first_segment, num_segments, entry, final)
