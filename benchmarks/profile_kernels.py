@@ -52,8 +52,7 @@ def main():
     forward = lambda: chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=bool(args.l2norm))
     call = forward
     if args.backward:  # as bench_backward.py times it: every input's gradient from one forward's graph
-        o, ht = forward()
-        grads = [torch.randn_like(o), torch.randn_like(ht)]
+        grads = [torch.randn_like(x["v"]), torch.randn_like(x["initial_state"])]  # o's and the final state's
         call = backward_step(chunk_gated_delta_rule, x, grads, bool(args.l2norm))
     if args.graph:
         graph, _ = capture(call, CALLS_PER_GRAPH)

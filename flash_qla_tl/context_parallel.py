@@ -9,7 +9,7 @@ segments that run side by side (:func:`chain_segments`):
    ``M_seg`` (the state map is affine:
    ``S_end = M_seg S_start + h_seg``; the passes' kernels make the identity in
    registers: a tensor of identities cost two PyTorch kernels, ~8 us at (2, 8) and
-   one 32K-token sequence, H200);
+   one 32K-token sequence, H100 graph timeline, 2026-11-25);
 2. a short scan (``kernels/segment_scan.py``, fp32) gives every segment its true
    entry state ``S_{i+1} = M_i S_i + h_i`` and every sequence its final state;
 3. all segments run the normal pass from their entry states.

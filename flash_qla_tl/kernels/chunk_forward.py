@@ -93,7 +93,8 @@ row r depends on its left operand's row r only).
 
 from .chunk_pipeline import (
     CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, STATE_ROWS,
-    gate_scores, head_columns, load_gates, register_split, reuse_chain_tile, store_chain_tile, zero_rows_past,
+    gate_scores, head_columns, load_gates, register_split, reuse_chain_tile, start_walk, store_chain_tile,
+    zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
@@ -250,13 +251,8 @@ def build_chunk_forward(
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
                 T.set_max_nreg(CHAIN_REGS, 1)
-                if not read_values:  # the transition pass: the identity's columns v0 ..
-                    for d, j in T.Parallel(K, block_v):
-                        state[d, j] = T.if_then_else(d == v0 + j, T.float32(1), T.float32(0))
-                elif has_initial_state:
-                    T.copy(initial_state[seq, hv, :, v0 : v0 + block_v], state)
-                else:
-                    T.clear(state)
+                start_walk(state, initial_state[seq, hv, :, v0 : v0 + block_v], v0, K, block_v, not read_values,
+                           has_initial_state)
 
                 for c in T.serial(num_chunks):
                     st = c % STAGES

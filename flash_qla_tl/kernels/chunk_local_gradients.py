@@ -325,14 +325,15 @@ def build_chunk_local_gradients(
                                     if role == VALUES:
                                         # Per-row values, for both roles (handed over by rows_ready), from the
                                         # loader's copy.
-                                        T.barrier_wait(rows_full[item % 2], (item // 2) % 2)
+                                        # (rows_in's buffer is the item's parity, its lap the next bit.)
+                                        T.barrier_wait(rows_full[phase], (item // 2) % 2)
                                         if tx < C:
-                                            gamma_tile[tx] = rows_in[item % 2, 0, tx]
-                                            beta_tile[tx] = rows_in[item % 2, 1, tx]
-                                            q_scale[tx] = rows_in[item % 2, 2, tx]
-                                            k_scale[tx] = rows_in[item % 2, 3, tx]
-                                            gate[tx] = T.Select(tx < n, T.exp2(rows_in[item % 2, 0, tx]), T.float32(0))
-                                        T.barrier_arrive(rows_free[item % 2])
+                                            gamma_tile[tx] = rows_in[phase, 0, tx]
+                                            beta_tile[tx] = rows_in[phase, 1, tx]
+                                            q_scale[tx] = rows_in[phase, 2, tx]
+                                            k_scale[tx] = rows_in[phase, 3, tx]
+                                            gate[tx] = T.Select(tx < n, T.exp2(rows_in[phase, 0, tx]), T.float32(0))
+                                        T.barrier_arrive(rows_free[phase])
                                         T.sync_threads(VALUES_BARRIER, ROLE_THREADS)
                                         if tx < C:
                                             to_end[tx] = T.Select(tx < n, T.exp2(gamma_tile[n - 1] - gamma_tile[tx]),
@@ -550,19 +551,20 @@ def build_chunk_local_gradients(
                         for member in T.serial(group):
                             hv = hk * group + member
                             item = units_done * group + member
-                            free_phase = item % 2 ^ 1  # a fresh barrier counts as freed
+                            buffer = item % 2  # rows_in's, as the values role reads it
+                            free_phase = buffer ^ 1  # a fresh barrier counts as freed
                             # The per-row inputs first: global loads, a row per thread, two items ahead at most
                             # (their latency, ~1K cycles, opened every item of both math roles when the
                             # values role loaded them itself: clock64 traces).
-                            T.barrier_wait(rows_free[item % 2], (item // 2) % 2 ^ 1)
+                            T.barrier_wait(rows_free[buffer], (item // 2) % 2 ^ 1)
                             row = tx - 2 * ROLE_THREADS
                             if row < C:
                                 valid = row < n
-                                rows_in[item % 2, 0, row] = T.if_then_else(valid, gamma[s + row, hv], T.float32(0))
-                                rows_in[item % 2, 1, row] = T.if_then_else(valid, beta[s + row, hv], T.float32(0))
-                                rows_in[item % 2, 2, row] = T.if_then_else(valid, q_norm[s + row, hk], T.float32(0))
-                                rows_in[item % 2, 3, row] = T.if_then_else(valid, k_norm[s + row, hk], T.float32(0))
-                            T.barrier_arrive(rows_full[item % 2])
+                                rows_in[buffer, 0, row] = T.if_then_else(valid, gamma[s + row, hv], T.float32(0))
+                                rows_in[buffer, 1, row] = T.if_then_else(valid, beta[s + row, hv], T.float32(0))
+                                rows_in[buffer, 2, row] = T.if_then_else(valid, q_norm[s + row, hk], T.float32(0))
+                                rows_in[buffer, 3, row] = T.if_then_else(valid, k_norm[s + row, hk], T.float32(0))
+                            T.barrier_arrive(rows_full[buffer])
                             reload(free, full, STATE, chunk_states[slot, hv, :, :], state, free_phase)
                             reload(free, full, DO, do[s : s + C, hv, :], do_tile, free_phase)
                             reload(free, full, STATE_GRAD, chunk_state_grads[slot, hv, :, :], state_grad, free_phase)

@@ -96,6 +96,21 @@ def gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, chunk):
 
 
 @T.macro
+def start_walk(state, start, v0, rows, cols, transition_pass, has_start):
+    """The chain's state (``rows x cols`` fp32 fragment) before a walk's first chunk: for context
+    parallelism's transition passes, columns ``v0 ..`` of the identity, made here (a tensor of
+    identities cost two PyTorch kernels and a 64 KB load a program); else ``start`` (a region of the
+    walk's given state) where it has one; else zero."""
+    if transition_pass:
+        for d, j in T.Parallel(rows, cols):
+            state[d, j] = T.if_then_else(d == v0 + j, T.float32(1), T.float32(0))
+    elif has_start:
+        T.copy(start, state)
+    else:
+        T.clear(state)
+
+
+@T.macro
 def store_chain_tile(tile, dest):
     """``tile`` (shared, just written by every chain thread) to ``dest`` in one TMA store.
 

@@ -69,7 +69,7 @@ past a sequence's end may hold anything; narrow programs zero a short chunk's
 
 from .chunk_pipeline import (
     CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, STATE_ROWS, gate_scores,
-    head_columns, load_gates, register_split, reuse_chain_tile, store_chain_tile, zero_rows_past,
+    head_columns, load_gates, register_split, reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
 )
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
@@ -187,13 +187,8 @@ def build_reverse_state_pass(
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
                 T.set_max_nreg(CHAIN_REGS, 1)
-                if not read_output_grad:  # the transition pass: the identity's columns v0 ..
-                    for d, j in T.Parallel(K, block_v):
-                        ds[d, j] = T.if_then_else(d == v0 + j, T.float32(1), T.float32(0))
-                elif has_final_state_grad:
-                    T.copy(final_state_grad[seq, hv, :, v0 : v0 + block_v], ds)
-                else:
-                    T.clear(ds)
+                start_walk(ds, final_state_grad[seq, hv, :, v0 : v0 + block_v], v0, K, block_v, not read_output_grad,
+                           has_final_state_grad)
 
                 for i in T.serial(num_chunks):
                     st = i % STAGES
