@@ -35,9 +35,19 @@ without, stored in ``dtype``.  q and k are loaded once per unit.  All GEMMs take
 ``dtype`` operands with fp32 accumulation, like the forward's; row and column
 sums, the decays and the cumulative sum are fp32.
 
-Rows ``r >= n`` (tokens of the next sequence, or past the tensor) are zeros
-in every tile, and ``E`` is a select on ``j <= r < n`` (exp2 of a non-positive
-argument), so padding contributes nothing and cannot make ``inf * 0``.
+A sequence's last chunk has ``n < 64`` tokens; its tiles' rows ``r >= n`` hold
+the next sequence's tokens (zeros past the tensor, from TMA), and are left as
+they are but for ``dU``'s.  Every product that reaches a stored row ``r < n`` either
+sums over the feature dimensions, or over rows through a factor that is zero past
+``n``: ``E`` (a 0/1 select on ``j <= r < n`` times exp2 of a non-positive
+argument), ``G`` and ``te`` (zero past ``n``), or the lower-triangular ``A0`` and
+``gated`` (zero columns past a row).  The two that sum rows of the padding against
+each other, ``dv = gated^T dU`` and ``gated^T d_w`` (``d_w = -dU S^T``), meet the
+zeroed ``dU`` rows.  So the padding contributes nothing where the next sequence's
+inputs are finite (a non-finite one could reach a masked product as ``inf * 0``).
+Zeroing every tile's padding, as this kernel did before, drew a racecheck report
+between the values role's stores and its own later reads, and held that role until
+all of a short chunk's tiles had landed (notes/backward-racecheck.md).
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
@@ -53,6 +63,7 @@ VALUES_REGS, STATE_REGS, LOADER_REGS = register_split(240, 240, 24)
 VALUES, STATE = "values", "state"  # the math roles, in warpgroup order (the loader is the third); names, not
 # numbers: the kernel's Python loop over them would turn numbers into TIR constants
 VALUES_BARRIER = 8  # named barrier of the values role's own steps (TileLang's reductions take 1 and 2, its syncs 3+)
+STATE_BARRIER = 9  # the state role's
 
 
 def build_chunk_local_gradients(
@@ -80,10 +91,9 @@ def build_chunk_local_gradients(
     mbarrier: ``Kn``/``Qn`` (normalised by the values role in place, once per
     unit, with the l2norm), ``d_w`` (and back, ``d_w_read``: the values role has
     read it, so the next one may be stored), ``d_qk`` and ``d_gram``; two more order
-    each item: the values role publishes the per-row values (and zeros a short
-    chunk's padding) for both, the state role leaves its row sums for the values
-    role's ``dg`` and ``dbeta``.  On a whole chunk the state role forms its first
-    two GEMMs before the row values arrive.
+    each item: the values role publishes the per-row values for both, the state
+    role leaves its row sums for the values role's ``dg`` and ``dbeta``.  The state
+    role forms its first two GEMMs before the row values arrive.
 
     The roles' instruction streams, not the loads, set an item's time (clock64
     traces, notes/backward-budget.md items 13-16), so elementwise results reach
@@ -277,7 +287,7 @@ def build_chunk_local_gradients(
             d_w_read = T.alloc_barrier(arrive_count=ROLE_THREADS)  # the values role's GEMM has read d_w
             d_qk_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
             d_gram_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
-            # Per item: the row values and the padding's zeros (values role), and the state role's row sums.
+            # Per item: the row values (values role), and the state role's row sums.
             # mbarriers, not a named barrier of both roles: the roles run separate loops (below), and the
             # sanitizers take a named barrier reached from two places for a divergent one.
             rows_ready = T.alloc_barrier(arrive_count=ROLE_THREADS)
@@ -339,28 +349,6 @@ def build_chunk_local_gradients(
                                             to_end[tx] = T.Select(tx < n, T.exp2(gamma_tile[n - 1] - gamma_tile[tx]),
                                                                   T.float32(0))
 
-                                        # A sequence's last chunk: rows past n are the next sequence's tokens.  Zeroed
-                                        # once every tile has landed (q and k once per unit; columns past n are zero
-                                        # by chunk_prep's contract), so padding adds nothing.
-                                        if n < C:
-                                            for t in T.unroll(Q_TILE):
-                                                T.barrier_wait(full[t], phase)
-                                            T.barrier_wait(full[Q_TILE], unit_phase)
-                                            T.barrier_wait(full[K_TILE], unit_phase)
-                                            if first:
-                                                for r, d in T.Parallel(C, K):
-                                                    if r >= n:
-                                                        k_tile[r, d] = 0
-                                                        q_tile[r, d] = 0
-                                            for r, j in T.Parallel(C, V):
-                                                if r >= n:
-                                                    v_tile[r, j] = 0
-                                                    do_tile[r, j] = 0
-                                                    du_tile[r, j] = 0
-                                            for r, j in T.Parallel(C, C):
-                                                if r >= n:
-                                                    gated[r, j] = 0
-                                                    a0[r, j] = 0
                                         T.sync_threads(VALUES_BARRIER, ROLE_THREADS)
                                         hand_over(rows_ready)
 
@@ -456,12 +444,17 @@ def build_chunk_local_gradients(
                                             dg[s + tx, hv] = serial_sum(lambda j: T.Select(j >= tx, q_gate_sum[j], tail_sum[j]), C)
                                     else:
                                         # --- State role.  d_w = -dU S^T; dq's first term dO S^T.  Neither needs the
-                                        # row values, so on a whole chunk they run while the values role finishes
-                                        # the previous item (the state role's wait for it was ~1.8K cycles an item,
-                                        # clock64 traces); a short chunk's padding rows are zeroed first.
-                                        if n < C:
-                                            T.barrier_wait(rows_ready, phase)
+                                        # row values, so they run while the values role finishes the previous item
+                                        # (the state role's wait for it was ~1.8K cycles an item, clock64 traces).
+                                        # A short chunk's dU rows past n are zeroed first: the one padding that
+                                        # reaches a result (see the module docstring).
                                         T.barrier_wait(full[DU], phase)
+                                        if n < C:
+                                            for r, j in T.Parallel(C, V):
+                                                if r >= n:
+                                                    du_tile[r, j] = 0
+                                            T.fence_proxy_async()  # the zeros, before the GEMMs' async reads
+                                            T.sync_threads(STATE_BARRIER, ROLE_THREADS)
                                         T.barrier_wait(full[STATE], phase)
                                         T.barrier_wait(full[DO], phase)
                                         T.gemm(du_tile, state, d_w_acc, transpose_B=True, clear_accum=True)
@@ -471,8 +464,7 @@ def build_chunk_local_gradients(
                                         hand_over(d_w_ready)
                                         T.gemm(do_tile, state, dq_gated, transpose_B=True, clear_accum=True)
                                         T.barrier_arrive(free[DO])
-                                        if n == C:
-                                            T.barrier_wait(rows_ready, phase)  # and the values role's reads of state_dot
+                                        T.barrier_wait(rows_ready, phase)  # and the values role's reads of state_dot
 
                                         # <S, dS'> as V partial sums, a column of S o dS' per thread: a warp reads 64
                                         # contiguous bytes of a row per step and no thread waits for another (a
