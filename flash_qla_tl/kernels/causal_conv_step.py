@@ -13,8 +13,8 @@ other thread touches it: the update in place needs no barrier.  ``x`` may be a
 column view of the projection's output (any row stride).
 """
 
-# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
-import tilelang.language as T
+# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.  TileLang is
+# imported in the factory: the constants here serve launchers that run shipped programs without it.
 
 CHANNELS_PER_PROGRAM = 128
 
@@ -22,6 +22,8 @@ CHANNELS_PER_PROGRAM = 128
 def build_causal_conv_step(channels: int, width: int, dtype: str, has_bias: bool, silu: bool):
     """``x [B, C]`` (row stride free), ``conv_state [B, C, W]`` updated in place, ``weight [C, W]``, ``bias [C]``
     and ``y [B, C]``, all in ``dtype``; B is symbolic."""
+    import tilelang.language as T
+
     batch = T.dynamic("B")
     x_stride = T.dynamic("x_stride")
     accum = "float32"

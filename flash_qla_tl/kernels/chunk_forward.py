@@ -91,16 +91,10 @@ Kbar, P, U and O that are masked by those selects or never stored (a GEMM's
 row r depends on its left operand's row r only).
 """
 
-from .chunk_pipeline import (
-    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, STATE_ROWS,
-    gate_scores, head_columns, load_gates, register_split, reuse_chain_tile, start_walk, store_chain_tile,
-    zero_rows_past,
-)
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
 # Where the value correction's Ak comes from (build_chunk_forward's ``correction``).
 CORRECTIONS = ("kbar_loaded", "kbar_derived", "in_chain")
-
 
 
 def build_chunk_forward(
@@ -131,6 +125,12 @@ def build_chunk_forward(
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
+
+    from .chunk_pipeline import (
+        CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES,
+        STATE_ROWS, gate_scores, head_columns, load_gates, register_split, reuse_chain_tile, start_walk,
+        store_chain_tile, zero_rows_past,
+    )
 
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype

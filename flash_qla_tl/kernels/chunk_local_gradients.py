@@ -50,16 +50,12 @@ between the values role's stores and its own later reads, and held that role unt
 all of a short chunk's tiles had landed (notes/backward-racecheck.md).
 """
 
-# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
-import tilelang.language as T
-
+# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.  TileLang is
+# imported in the factory: the constants here serve launchers that run shipped programs without it.
 from .inverse_norms import padded_heads
-
-from .chunk_pipeline import register_split
 
 ROLE_THREADS = 128  # one warpgroup per role: every GEMM is one wgmma row block of 64 rows
 THREADS = 3 * ROLE_THREADS  # values, state, loader
-VALUES_REGS, STATE_REGS, LOADER_REGS = register_split(240, 240, 24)
 VALUES, STATE = "values", "state"  # the math roles, in warpgroup order (the loader is the third); names, not
 # numbers: the kernel's Python loop over them would turn numbers into TIR constants
 VALUES_BARRIER = 8  # named barrier of the values role's own steps (TileLang's reductions take 1 and 2, its syncs 3+)
@@ -101,6 +97,11 @@ def build_chunk_local_gradients(
     cannot load the next element's operands before that store completes (the
     compiler cannot prove they do not alias).
     """
+    import tilelang.language as T
+
+    from .chunk_pipeline import register_split
+
+    values_regs, state_regs, loader_regs = register_split(240, 240, 24)
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
     assert C == 64 and K == 2 * C and num_v_heads % num_qk_heads == 0  # K == 2C: <S, dS'> over 64 rows of dg
@@ -320,7 +321,7 @@ def build_chunk_local_gradients(
             # role's registers hold only its own values: in one shared loop the compiler keeps every
             # fragment that crosses an item live in both roles, and the unit sums did not fit.
             if tx < 2 * ROLE_THREADS:
-                for role, regs in ((VALUES, VALUES_REGS), (STATE, STATE_REGS)):
+                for role, regs in ((VALUES, values_regs), (STATE, state_regs)):
                     if in_role(tx, role):
                         T.set_max_nreg(regs, 1)
                         for i in T.serial(my_units):
@@ -536,7 +537,7 @@ def build_chunk_local_gradients(
             else:
                 # --- Loader: each tile of the program's next item as soon as its slot is free, in the
                 # order the slots free up (rows past the tensor arrive as zeros); q and k once per unit.
-                T.set_max_nreg(LOADER_REGS, 0)
+                T.set_max_nreg(loader_regs, 0)
                 for i in T.serial(my_units):
                     hk, s, n, slot = unit_at(chunk_table, program, i)
                     if n > 0:

@@ -40,10 +40,9 @@ contract asks for columns ``j >= n``; their rows are never stored.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the ``T.Tensor``
-# annotations of the prim_func, and they name the factory's local symbols.
+# annotations of the prim_func, and they name the factory's local symbols.  TileLang is
+# imported in the factory: the constants here serve launchers that run shipped programs without it.
 import math
-
-import tilelang.language as T
 
 from .inverse_norms import EPS, padded_heads
 
@@ -67,6 +66,8 @@ def build_chunk_prep(
     formula), written by the program of each q/k head's first value head; otherwise an
     input (ones without l2norm).
     """
+    import tilelang.language as T
+
     if num_v_heads % num_qk_heads != 0:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_qk_heads ({num_qk_heads})")
     if dtype not in ("bfloat16", "float16"):

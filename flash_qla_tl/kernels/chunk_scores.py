@@ -13,16 +13,19 @@ for each of the head's value heads.  Rows ``r < n`` of ``scores[s + r, hv, :]``
 are written (columns past ``r`` as 0); rows past ``n`` belong to the next chunk.
 """
 
-# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
-import tilelang.language as T
+# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.  TileLang is
+# imported in the factory: the constants here serve launchers that run shipped programs without it.
 
-from .chunk_pipeline import gate_scores, head_columns
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
 
 def build_chunk_scores(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str, chunk: int = 64):
     """Build the ``chunk_scores`` PrimFunc: one program of 128 threads per (chunk, q/k head), ``U * Hqk``
     on one axis, q/k heads fastest; ``T`` (tokens) and ``U`` (chunk-table rows) symbolic."""
+    import tilelang.language as T
+
+    from .chunk_pipeline import gate_scores, head_columns
+
     K, C = head_dim, chunk
     assert dtype in ("bfloat16", "float16"), dtype
     assert num_v_heads % num_qk_heads == 0

@@ -9,8 +9,8 @@ makes them, so that the kernel gives that module's result, not just one close
 to it; everything else in fp32.  x and z may be row views of wider tensors.
 """
 
-# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
-import tilelang.language as T
+# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.  TileLang is
+# imported in the factory: the constants here serve launchers that run shipped programs without it.
 
 ROWS = 32
 THREADS = 128
@@ -19,6 +19,8 @@ THREADS = 128
 def build_gated_rms_norm(dim: int, dtype: str):
     """``x [N, D]``, ``z [N, D]`` (any row strides), ``weight [D]``, ``eps`` -> ``y [N, D]``, all in ``dtype``;
     N is symbolic."""
+    import tilelang.language as T
+
     assert dim % 4 == 0 and dim // 4 <= 32 and THREADS % (dim // 4) == 0, dim
     num_rows = T.dynamic("N")
     x_stride, z_stride = T.dynamic("x_stride"), T.dynamic("z_stride")

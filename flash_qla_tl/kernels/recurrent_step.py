@@ -28,10 +28,9 @@ other program touches that slice, so ``final_state`` may be the very tensor
 passed as ``initial_state`` (the cache update in place).
 """
 
-# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
+# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.  TileLang is
+# imported in the factory: the constants here serve launchers that run shipped programs without it.
 import dataclasses
-
-import tilelang.language as T
 
 from .inverse_norms import EPS  # 1 / sqrt(sum(x^2) + EPS), as everywhere
 
@@ -70,6 +69,8 @@ def build_recurrent_step(config: RecurrentStepConfig):
     ``[T, Hv]`` in their own dtypes; sequences by ``cu_seqlens``, or for a dense
     batch ``seq_len`` tokens each.
     """
+    import tilelang.language as T
+
     c = config
     K = V = c.head_dim
     block_v, dtype = c.block_v, c.dtype

@@ -67,10 +67,6 @@ past a sequence's end may hold anything; narrow programs zero a short chunk's
 ``Ak`` past n, and its loaded ``P``'s rows past n).
 """
 
-from .chunk_pipeline import (
-    CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, STATE_ROWS, gate_scores,
-    head_columns, load_gates, register_split, reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
-)
 from .inverse_norms import HEADS_PER_BOX, padded_heads
 
 
@@ -96,6 +92,12 @@ def build_reverse_state_pass(
     (``chunk_scores``) instead of formed in prep; otherwise ``scores`` may be a placeholder.
     """
     import tilelang.language as T
+
+    from .chunk_pipeline import (
+        CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, STATE_ROWS,
+        gate_scores, head_columns, load_gates, register_split, reuse_chain_tile, start_walk, store_chain_tile,
+        zero_rows_past,
+    )
 
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype

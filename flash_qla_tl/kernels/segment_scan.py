@@ -39,8 +39,8 @@ that its four values of a column of ``M`` are one 16-byte load, and the eight
 row groups of a warp read one contiguous 128-byte run of a row of ``M``.
 """
 
-# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
-import tilelang.language as T
+# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.  TileLang is
+# imported in the factory: the constants here serve launchers that run shipped programs without it.
 
 BLOCK_V = 8
 THREADS = 128
@@ -57,6 +57,8 @@ def build_segment_scan(num_v_heads: int, head_dim_k: int, head_dim_v: int, backw
     a step multiplies by ``transition^T``.  Entries are written at the segments' own
     slots either way.
     """
+    import tilelang.language as T
+
     H, K, V = num_v_heads, head_dim_k, head_dim_v
     row_groups = THREADS // (BLOCK_V // COLS)  # threads along the rows: 32
     assert K == row_groups * ROWS and V % BLOCK_V == 0, (K, V)

@@ -22,8 +22,8 @@ What a row holds is the layout:
   packed sequences: ``context_parallel.segment_table``.
 """
 
-# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.
-import tilelang.language as T
+# No ``from __future__ import annotations``: TileLang evaluates the prim_func's annotations.  TileLang is
+# imported in the factory: the constants here serve launchers that run shipped programs without it.
 
 THREADS = 1024
 LOG_THREADS = 10
@@ -40,6 +40,8 @@ def build_sequence_pieces(layout: str):
     length) are runtime values; ``CHUNK_ROWS`` takes ``piece`` = 64 (a chunk's state
     slot is its first token // 64 + its sequence).
     """
+    import tilelang.language as T
+
     assert 1 << LOG_THREADS == THREADS
     assert layout in ROW_WIDTH, layout
     num_seqs = T.dynamic("N")
