@@ -1,17 +1,30 @@
 """Cold start: the first call for a new head config compiles; a second process reuses the disk cache.
 
     python benchmarks/cold_start.py            # uses a fresh TileLang cache directory
+    python benchmarks/cold_start.py --shipped BUILD [--heads 16x32,16x64]
 
 Runs the same first call twice, each in its own process, against one new cache
 directory, and prints the wall time of each first call (compile + run, then
 load + run).
+
+``--shipped BUILD`` (a directory that ``scripts/build_hub.py --compiled --out BUILD``
+wrote) measures what a user of the compiled hub package pays instead: a fresh
+process in which TileLang cannot be imported and no nvcc is on PATH, with an empty
+TileLang cache, loads the package with ``get_kernel`` (offline, LOCAL_KERNELS) and
+times ``get_kernel`` + the first forward, then the first forward + backward
+(torch's import and the inputs' creation are not counted: the user pays them with
+or without us).  The outputs and gradients must equal, bit for bit, those of the
+library compiled by TileLang in this process.
 """
 
+import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 FIRST_CALL = """
 import time, torch, torch.nn.functional as F, flash_qla_tl as fq
@@ -32,7 +45,86 @@ def first_call_seconds(env, hqk, hv) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+SHIPPED_FIRST_CALLS = """
+import json, sys, time
+sys.modules["tilelang"] = None  # as on a machine without it
+import torch
+sys.path.insert(0, {benchmarks!r})
+from cold_start import shipped_inputs
+inputs = shipped_inputs({hqk}, {hv})
+torch.cuda.synchronize()
+start = time.perf_counter()
+from kernels import get_kernel
+fq = get_kernel("qwen/flash-qla", version=1)
+o, ht = fq.chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+torch.cuda.synchronize()
+forward = time.perf_counter() - start
+leaves = [x.detach().requires_grad_() for x in inputs]
+start = time.perf_counter()
+o2, ht2 = fq.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True)
+grads = torch.autograd.grad((o2, ht2), leaves, (torch.ones_like(o2), torch.ones_like(ht2)))
+torch.cuda.synchronize()
+backward = time.perf_counter() - start
+torch.save([o, ht, *grads], {results!r})
+print(json.dumps({{"get_kernel_and_forward_s": forward, "forward_and_backward_s": backward,
+                  "kernel_file": fq.__file__, "tilelang_imported": sys.modules.get("tilelang") is not None}}))
+"""
+
+
+def shipped_inputs(hqk, hv, tokens=4096):
+    """Seeded bf16 inputs on the GPU, raw q/k (the l2norm in kernel), an initial state."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    q, k = randn(1, tokens, hqk, 128).bfloat16(), randn(1, tokens, hqk, 128).bfloat16()
+    v = randn(1, tokens, hv, 128).bfloat16()
+    g, beta = F.logsigmoid(randn(1, tokens, hv)) / 16, torch.sigmoid(randn(1, tokens, hv))
+    return [q, k, v, g, beta, randn(1, hv, 128, 128) / 16]
+
+
+def shipped_first_calls(build: Path, hqk: int, hv: int) -> dict:
+    """Time the compiled package's first calls in a fresh process and check them against TileLang's build."""
+    import torch
+
+    import flash_qla_tl as fq
+
+    work = Path(tempfile.mkdtemp(prefix="shipped-"))
+    no_nvcc = ":".join(d for d in os.environ["PATH"].split(":") if not (Path(d) / "nvcc").exists())
+    env = dict(os.environ, PATH=no_nvcc, TILELANG_CACHE_DIR=str(work / "empty-cache"), HF_HUB_OFFLINE="1",
+               HF_HOME=str(work / "hf"), LOCAL_KERNELS=f"qwen/flash-qla={build}")
+    env.pop("CUDA_HOME", None)
+    script = SHIPPED_FIRST_CALLS.format(benchmarks=str(Path(__file__).parent), hqk=hqk, hv=hv,
+                                        results=str(work / "results.pt"))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr[-4000:])
+    timings = json.loads(run.stdout.strip().splitlines()[-1])
+    shipped = torch.load(work / "results.pt")
+    inputs = shipped_inputs(hqk, hv)
+    o, ht = fq.chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5], output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    o2, ht2 = fq.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
+    grads = torch.autograd.grad((o2, ht2), leaves, (torch.ones_like(o2), torch.ones_like(ht2)))
+    timings["identical_to_tilelang_build"] = all(torch.equal(a, b) for a, b in zip(shipped, [o, ht, *grads]))
+    return timings
+
+
 def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shipped", type=Path, help="a build of scripts/build_hub.py --compiled --out BUILD")
+    p.add_argument("--heads", default="16x32,16x64", help="with --shipped: comma-separated HqkxHv")
+    args = p.parse_args()
+    if args.shipped:
+        for heads in args.heads.split(","):
+            hqk, hv = map(int, heads.split("x"))
+            print(f"shipped ({hqk},{hv}): {json.dumps(shipped_first_calls(args.shipped.resolve(), hqk, hv))}")
+        return
     hqk, hv = 8, 24  # a head config no test or benchmark compiles
     env = dict(os.environ, TILELANG_CACHE_DIR=tempfile.mkdtemp(prefix="tl-cold-"))
     t = time.perf_counter()

@@ -50,15 +50,6 @@ def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _tilelang_importable() -> bool:
-    try:
-        import tilelang  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def device_unsupported_reason(x: torch.Tensor) -> str | None:
     """Why no Hopper kernel runs on ``x``'s device and dtype (bf16 / fp16), or None."""
     if not x.is_cuda:
@@ -67,16 +58,22 @@ def device_unsupported_reason(x: torch.Tensor) -> str | None:
         return "the GPU is not sm_90 (Hopper)"
     if x.dtype not in KERNEL_DTYPES:
         return f"the kernels take bf16 or fp16 q/k/v, got {x.dtype}"
-    if not _tilelang_importable():
-        return "tilelang is not installed"
     return None
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the Hopper kernels cannot run these inputs, or None when they can."""
+    from .kernels.compile import kernels_available, warn_unavailable
+
     if k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
         return f"the kernels take K = V = {HEAD_DIM}, got K = {k.shape[-1]}, V = {v.shape[-1]}"
-    return device_unsupported_reason(q)
+    reason = device_unsupported_reason(q)
+    sms = context_parallel.num_sms(q.device) if reason is None else None
+    if reason is None and not kernels_available(q.shape[2], v.shape[2], KERNEL_DTYPES[q.dtype], sms):
+        reason = (f"this build ships no kernels for (Hqk, Hv) = ({q.shape[2]}, {v.shape[2]}) in "
+                  f"{KERNEL_DTYPES[q.dtype]} on a GPU of {sms} SMs, and TileLang is not installed to compile them")
+        warn_unavailable(reason)
+    return reason
 
 
 def packed_tokens(x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ ACTIVATIONS = (None, "silu", "swish")
 def conv_step_unsupported_reason(x, conv_state, weight, bias, activation) -> str | None:
     """Why the kernel cannot run this step, or None: ``x [B, C, 1]``, ``conv_state [B, C, W]`` contiguous,
     ``weight [C, W]`` and ``bias [C]`` (or None), all in x's dtype."""
+    from .kernels.causal_conv_step import build_causal_conv_step
+
     reason = device_unsupported_reason(x)
     if reason is not None:
         return reason
@@ -35,7 +37,22 @@ def conv_step_unsupported_reason(x, conv_state, weight, bias, activation) -> str
         return f"the conv state must be [B, C, W], got {tuple(conv_state.shape)} for a kernel of {weight.shape[-1]}"
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or activation not in ACTIVATIONS:
         return f"weight and bias of x's dtype and an activation of {ACTIVATIONS}, got {weight.dtype}, {activation!r}"
-    return None
+    return _program_unavailable(build_causal_conv_step, *conv_step_config(x, weight, bias, activation))
+
+
+def conv_step_config(x, weight, bias, activation) -> tuple:
+    """The conv step's program config for these inputs."""
+    return x.shape[1], weight.shape[-1], KERNEL_DTYPES[x.dtype], bias is not None, activation is not None
+
+
+def _program_unavailable(build, *config) -> str | None:
+    from .kernels.compile import program_available, warn_unavailable
+
+    if program_available(build, *config):
+        return None
+    reason = f"this build ships no {build.__name__}{config} and TileLang is not installed to compile it"
+    warn_unavailable(reason)
+    return reason
 
 
 def causal_conv1d_step(x, conv_state, weight, bias=None, activation=None) -> torch.Tensor:
@@ -47,12 +64,10 @@ def causal_conv1d_step(x, conv_state, weight, bias=None, activation=None) -> tor
     from .kernels.compile import compile_program
 
     batch, channels, _ = x.shape
-    width = weight.shape[-1]
     y = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     if batch == 0:
         return y.unsqueeze(-1)
-    kernel = compile_program(build_causal_conv_step, channels, width, KERNEL_DTYPES[x.dtype], bias is not None,
-                             activation is not None)
+    kernel = compile_program(build_causal_conv_step, *conv_step_config(x, weight, bias, activation))
     no_bias = placeholder((channels,), x.dtype, x.device)
     kernel(x[..., 0], conv_state, weight.contiguous(), no_bias if bias is None else bias, y)
     return y.unsqueeze(-1)
@@ -60,6 +75,8 @@ def causal_conv1d_step(x, conv_state, weight, bias=None, activation=None) -> tor
 
 def norm_unsupported_reason(x, z, weight) -> str | None:
     """Why the gated RMSNorm kernel cannot run on rows ``x``, gates ``z`` ``[N, D]`` and ``weight [D]``, or None."""
+    from .kernels.gated_rms_norm import build_gated_rms_norm
+
     reason = device_unsupported_reason(x)
     if reason is not None:
         return reason
@@ -67,7 +84,7 @@ def norm_unsupported_reason(x, z, weight) -> str | None:
         return f"rows of {NORM_DIM} values with gates of their shape, got {tuple(x.shape)}, {tuple(z.shape)}"
     if z.dtype != x.dtype or weight.dtype != x.dtype or x.stride(1) != 1 or z.stride(1) != 1:
         return "gates and weight of x's dtype, and rows with unit strides"
-    return None
+    return _program_unavailable(build_gated_rms_norm, NORM_DIM, KERNEL_DTYPES[x.dtype])
 
 
 def gated_rms_norm(x, z, weight, eps) -> torch.Tensor:

@@ -61,7 +61,7 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state
     (with ``dt_bias``) and ``beta_sigmoid``: g and beta are the layer's raw gate
     inputs, and the kernel computes the gates (``reference.layer_gates``).
     """
-    from .kernels.compile import compile_program
+    from .kernels.compile import compile_program, program_available
     from .kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
 
     batch, length, hqk, kdim = q.shape
@@ -84,11 +84,21 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state
         A_log, dt_bias = A_log.contiguous(), dt_bias.to(A_log.dtype).contiguous()
         if A_log.dtype not in OPERAND_DTYPES:
             A_log, dt_bias = A_log.float(), dt_bias.float()
-    config = RecurrentStepConfig(
-        hqk, hv, KERNEL_DTYPES[q.dtype], OPERAND_DTYPES[g.dtype], OPERAND_DTYPES[beta.dtype],
-        block_v or plan_block_v(num_seqs, hv, device), use_qk_l2norm_in_kernel, h0 is not None, store_final,
-        varlen=cu_seqlens is not None, gate_in_kernel=A_log is not None, beta_sigmoid_in_kernel=beta_sigmoid,
-        param_dtype=OPERAND_DTYPES[A_log.dtype] if A_log is not None else "float32", head_dim=kdim)
+
+    def step(g, beta, A_log, beta_sigmoid) -> RecurrentStepConfig:
+        return RecurrentStepConfig(
+            hqk, hv, KERNEL_DTYPES[q.dtype], OPERAND_DTYPES[g.dtype], OPERAND_DTYPES[beta.dtype],
+            block_v or plan_block_v(num_seqs, hv, device), use_qk_l2norm_in_kernel, h0 is not None, store_final,
+            varlen=cu_seqlens is not None, gate_in_kernel=A_log is not None, beta_sigmoid_in_kernel=beta_sigmoid,
+            param_dtype=OPERAND_DTYPES[A_log.dtype] if A_log is not None else "float32", head_dim=kdim)
+
+    config = step(g, beta, A_log, beta_sigmoid)
+    if not program_available(build_recurrent_step, config):
+        # gate dtypes a shipped build has no program for (it ships g and beta as Transformers passes them,
+        # both fp32, and the layer's step): the gates in fp32 here, then the fp32 program (same arithmetic)
+        g, beta = (x.float() for x in reference.layer_gates(g, beta, A_log, dt_bias, beta_sigmoid))
+        A_log = dt_bias = None
+        config = step(g, beta, None, False)
     no_state = placeholder_state(hv, kdim, vdim, device)
     no_params = placeholder((hv,), torch.float32, device)
     offsets = placeholder((1,), torch.int32, device) if cu_seqlens is None else cu_seqlens.to(torch.int32)

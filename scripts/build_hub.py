@@ -3,6 +3,7 @@
 
     python scripts/build_hub.py                         # -> build/torch-cuda/
     python scripts/build_hub.py --out DIR               # -> DIR/build/torch-cuda/
+    python scripts/build_hub.py --compiled --jobs 16    # -> build/tvm-ffi01-cu130-x86_64-linux/ + torch-universal/
     python scripts/build_hub.py --source-tree DIR       # kernel-builder source for Nix
 
 A variant directory holds what kernel-builder's torch-noarch build would: the
@@ -10,6 +11,16 @@ files of torch-ext/flash_qla/, a generated `_ops.py` (the op namespace) and
 `metadata.json`, and here also the library `flash_qla_tl/`, vendored into the
 package at build time (it uses relative imports only, which is checked).
 Load it with `LOCAL_KERNELS=qwen/flash-qla=<DIR>` and `kernels.get_kernel`.
+
+``--compiled`` builds the arch-specific variant instead: the same package with
+every program of the shipped head configs compiled (``export_programs.py``:
+TileLang and nvcc here, neither for the user), named for what it needs at run
+time, apache-tvm-ffi and a CUDA driver of the toolkit that built the cubins
+(`tvm-ffi01-cu130-x86_64-linux`); beside it the pure-Python package as
+`torch-universal`, for every other system (there TileLang compiles at first use
+where it is installed, else the PyTorch path runs).  `kernels` prefers an arch
+variant to a universal one; a `torch-cuda` noarch variant would tie with a cu130
+arch variant in its ordering, and then which one loads is left to chance.
 
 The source tree is the same package without the generated files, plus
 build.toml and flake.nix: Nix builds only see torch-ext/, so the library has
@@ -21,8 +32,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import platform
 import re
 import shutil
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -102,8 +116,8 @@ def copy_package(package: Path, library: Path, destination: Path) -> None:
     shutil.copytree(library, destination / LIBRARY, ignore=BYTECODE)
 
 
-def metadata(config: dict, backend: str, kernel_id: str) -> dict:
-    """metadata.json as kernel-builder writes it for one backend of a torch-noarch kernel."""
+def metadata(config: dict, backend: str, kernel_id: str, python_depends: tuple = ()) -> dict:
+    """metadata.json as kernel-builder writes it for one backend of a kernel."""
     general = config["general"]
     noarch = config["torch-noarch"]
     archs = {"cuda": noarch.get("cuda_capabilities"), "rocm": noarch.get("rocm_archs")}.get(backend)
@@ -113,23 +127,63 @@ def metadata(config: dict, backend: str, kernel_id: str) -> dict:
         "id": kernel_id,
         "version": general["version"],
         "license": general["license"],
-        "python-depends": general.get("python-depends", []) + general.get(backend, {}).get("python-depends", []),
+        "python-depends": general.get("python-depends", []) + general.get(backend, {}).get("python-depends", [])
+        + list(python_depends),
         "backend": backend_info,
     }
 
 
-def build_variants(config: dict, package: Path, library: Path, out: Path) -> list[Path]:
+def write_variant(config: dict, package: Path, library: Path, variant: Path, backend: str, unique_id: str,
+                  python_depends: tuple = ()) -> Path:
+    """One variant directory: the package with the library vendored, its op namespace and metadata."""
     module = package.name
+    copy_package(package, library, variant)
+    (variant / "_ops.py").write_text(OPS_PY.format(kernel_name=module, unique_id=unique_id))
+    kernel_id = f"_{module}_{backend}_{unique_id}"
+    (variant / "metadata.json").write_text(
+        json.dumps(metadata(config, backend, kernel_id, python_depends), indent=2) + "\n")
+    return variant
+
+
+def build_variants(config: dict, package: Path, library: Path, out: Path) -> list[Path]:
     unique_id = content_id(package, library)
-    variants = []
-    for backend in config["general"]["backends"]:
-        variant = out / "build" / f"torch-{backend}"
-        copy_package(package, library, variant)
-        (variant / "_ops.py").write_text(OPS_PY.format(kernel_name=module, unique_id=unique_id))
-        kernel_id = f"_{module}_{backend}_{unique_id}"
-        (variant / "metadata.json").write_text(json.dumps(metadata(config, backend, kernel_id), indent=2) + "\n")
-        variants.append(variant)
-    return variants
+    return [write_variant(config, package, library, out / "build" / f"torch-{backend}", backend, unique_id)
+            for backend in config["general"]["backends"]]
+
+
+def cuda_toolkit_version() -> tuple[int, int]:
+    """(major, minor) of the nvcc that builds the cubins: users need a driver of that CUDA version or newer."""
+    nvcc = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
+    found = re.search(r"release (\d+)\.(\d+)", subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                                                             check=True).stdout)
+    return int(found.group(1)), int(found.group(2))
+
+
+def compiled_variant_name() -> str:
+    """The arch variant's name as `kernels` parses it: tvm-ffi and CUDA versions, CPU and OS."""
+    import tvm_ffi
+
+    ffi_major, ffi_minor = tvm_ffi.__version__.split(".")[:2]
+    cuda_major, cuda_minor = cuda_toolkit_version()
+    return f"tvm-ffi{ffi_major}{ffi_minor}-cu{cuda_major}{cuda_minor}-{platform.machine()}-{platform.system().lower()}"
+
+
+def build_compiled(config: dict, package: Path, library: Path, out: Path, head_configs: list, jobs: int) -> list[Path]:
+    """The arch variant with ``head_configs``' programs exported into ``flash_qla_tl/shipped/``, and the
+    pure-Python package beside it as `torch-universal` (module docstring)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import export_programs
+
+    unique_id = content_id(package, library)
+    variant = write_variant(config, package, library, out / "build" / compiled_variant_name(), "cuda", unique_id,
+                            python_depends=("tvm-ffi",))
+    export_programs.export(head_configs, variant / LIBRARY / "shipped", jobs)
+    universal = write_variant(config, package, library, out / "build" / "torch-universal", "cuda", unique_id)
+    return [variant, universal]
+
+
+def directory_size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def build_source_tree(package: Path, library: Path, out: Path) -> None:
@@ -143,6 +197,11 @@ def main() -> None:
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--out", type=Path, default=ROOT, help="directory to write build/ into (default: the repository)")
     target.add_argument("--source-tree", type=Path, help="write a vendored kernel-builder source tree here instead")
+    parser.add_argument("--compiled", action="store_true",
+                        help="the arch variant with compiled programs (needs tilelang, nvcc, gcc) and torch-universal")
+    parser.add_argument("--heads", help="with --compiled: comma-separated HqkxHv (default: the Qwen3.5/3.6 configs)")
+    parser.add_argument("--dtypes", default="bfloat16,float16", help="with --compiled: comma-separated dtypes")
+    parser.add_argument("--jobs", type=int, default=1, help="with --compiled: compiling processes")
     args = parser.parse_args()
 
     config = tomllib.loads((ROOT / "build.toml").read_text())
@@ -154,8 +213,18 @@ def main() -> None:
         build_source_tree(package, library, args.source_tree)
         print(f"source tree: {args.source_tree}")
         return
-    for variant in build_variants(config, package, library, args.out):
-        print(f"built {variant}")
+    if args.compiled:
+        sys.path.insert(0, str(ROOT))
+        from flash_qla_tl.programs import QWEN_HEAD_CONFIGS
+
+        heads = ([tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")] if args.heads
+                 else list(QWEN_HEAD_CONFIGS))
+        head_configs = [(hqk, hv, dtype) for hqk, hv in heads for dtype in args.dtypes.split(",")]
+        variants = build_compiled(config, package, library, args.out, head_configs, args.jobs)
+    else:
+        variants = build_variants(config, package, library, args.out)
+    for variant in variants:
+        print(f"built {variant} ({directory_size(variant) / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":

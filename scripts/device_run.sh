@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent Hopper GPU: GPU tests, then benchmarks; full logs under $OUT.
-#   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|hazards|barrierprobe|cold ...]     (default: tests quick)
+#   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|hazards|barrierprobe|cold|shipped ...]     (default: tests quick)
 # Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf) and optionally a
 # TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
 # (xz: the cache's shared objects would not fit the 64 MiB a device call carries; pack only
@@ -115,6 +115,12 @@ for step in $steps; do
         | head -${NCU_LINES:-50}
       rm -f "$OUT/ncu_source.csv" ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
+    shipped) # issue 17: the compiled hub package built here on all cores, then its first calls in a fresh process
+             # without TileLang or nvcc (get_kernel + first forward, first forward + backward; results vs TileLang's)
+      python scripts/build_hub.py --compiled --heads ${SHIPPED_HEADS:-16x32,16x64} --dtypes bfloat16 --jobs 15 \
+        --out /tmp/shipped 2>&1 | grep -v INFO | tail -3
+      python benchmarks/cold_start.py --shipped /tmp/shipped --heads ${SHIPPED_HEADS:-16x32,16x64} 2>&1 \
+        | grep -v INFO | tee "$OUT/shipped.log" | tail -6 ;;
     # PROFILE_PACKAGES (profile, bwdprofile): whose kernels, each of profile_kernels.py's --package
     # values ("" ours, a package directory, flash-qla), "-" for ours; PROFILE_ARGS: more options (--l2norm 0)
     profile)

@@ -146,6 +146,34 @@ def test_source_tree_for_nix_has_the_library_vendored(tmp_path):
     assert not (package / "_ops.py").exists()  # kernel-builder generates it
 
 
+def test_kernels_prefers_the_compiled_variant_where_it_can_run():
+    """`build_hub.py --compiled` names its variants for kernels' resolver: the compiled one wherever its
+    runtime needs hold (x86-64 Linux, tvm-ffi 0.1, a CUDA 13 torch), the pure-Python one everywhere else."""
+    from kernels.backends import CPU, CUDA
+    from kernels.variants import _resolve_variant_for_system, parse_variant
+    from packaging.version import Version
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_hub
+
+    compiled = build_hub.compiled_variant_name()
+    assert re.fullmatch(r"tvm-ffi01-cu1\d\d-x86_64-linux", compiled), compiled
+    variants = [parse_variant(compiled), parse_variant("torch-universal")]
+
+    def chosen(backend, tvm_ffi="0.1", cpu="x86_64"):
+        for order in (variants, variants[::-1]):  # the Hub lists them in no particular order
+            accepted, _ = _resolve_variant_for_system(order, backend, cpu, "linux", Version("2.11"), True,
+                                                      tvm_ffi and Version(tvm_ffi))
+            yield accepted[0].variant_str
+
+    cuda = parse_variant(compiled).arch.backend  # a system with the toolkit's CUDA version
+    assert set(chosen(cuda)) == {compiled}
+    assert set(chosen(cuda, tvm_ffi=None)) == {"torch-universal"}  # apache-tvm-ffi not installed
+    assert set(chosen(cuda, cpu="aarch64")) == {"torch-universal"}
+    assert set(chosen(CUDA(version=Version("12.8")))) == {"torch-universal"}
+    assert set(chosen(CPU())) == {"torch-universal"}
+
+
 def test_get_kernel_loads_offline_in_a_fresh_process_without_tilelang(hub_build, tmp_path):
     script = (
         "import sys\n"

@@ -1,18 +1,32 @@
-"""Compile TileLang programs for Hopper, once per static config, cached on disk.
+"""Compile TileLang programs for Hopper, once per static config, cached on disk; or load them shipped.
 
 Kernels are factories: ``build(config) -> PrimFunc`` with sequence lengths left
-symbolic, so one compiled binary serves every length.  The first call for a
-config lowers and builds it; TileLang's disk cache (``TILELANG_CACHE_DIR``) lets
-a second process load it instead (BENCHMARKS.md, "Cold start": 21.4 s against
-2.22 s for a first call on an H200).
+symbolic, so one compiled binary serves every length.  A program comes from the
+first of:
+
+1. the programs shipped compiled with an arch-specific build of the package
+   (``shipped.py``): no TileLang, no nvcc, nothing compiled;
+2. TileLang, which lowers and builds it at first use (a log line says so and how
+   long it took) and keeps it in its disk cache (``TILELANG_CACHE_DIR``), so that
+   a second process loads it instead (BENCHMARKS.md, "Cold start": 21.4 s against
+   2.22 s for a first call on an H200).
+
+Without either, :class:`KernelsUnavailable`; the launchers' callers check
+:func:`kernels_available` first and take the PyTorch path instead.
 The target is explicit, so the same cubins build on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 import os
+import time
+import warnings
 from typing import Callable
+
+from . import shipped
 
 HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # nvcc --use_fast_math: exp2 becomes one ex2.approx.ftz (the precise exp2f adds a
@@ -21,30 +35,90 @@ HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # flushed below 2^-126 is a decay to zero either way.
 DEFAULT_PASS_CONFIGS = {"tl.enable_fast_math": True}
 
+logger = logging.getLogger("flash_qla")
+
+
+class KernelsUnavailable(RuntimeError):
+    """A program is neither shipped with this build nor compilable here (TileLang is not installed)."""
+
+
+@functools.lru_cache(maxsize=None)
+def tilelang_importable() -> bool:
+    try:
+        import tilelang  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels_available(num_qk_heads: int, num_v_heads: int, dtype: str, sms: int) -> bool:
+    """Whether the programs of this head config and dtype can be had on a GPU of ``sms`` SMs: shipped, or
+    compiled by TileLang."""
+    return shipped.covers_head_config(num_qk_heads, num_v_heads, dtype, sms) or tilelang_importable()
+
+
+@functools.lru_cache(maxsize=None)
+def program_available(build: Callable, *config) -> bool:
+    """Whether one program can be had (the layer's small kernels, which are keyed by their own configs)."""
+    return shipped.has_program(program_key(build, config, pass_configs_of(build))) or tilelang_importable()
+
+
+def pass_configs_of(build: Callable, pass_configs: dict | None = None) -> tuple:
+    """Every TileLang option a program is compiled with: the defaults, the factory's
+    ``build.pass_configs`` (options its kernel needs, whoever compiles it), then ``pass_configs``."""
+    configs = {**DEFAULT_PASS_CONFIGS, **getattr(build, "pass_configs", {}), **(pass_configs or {})}
+    return tuple(sorted(configs.items()))
+
+
+def program_key(build: Callable, config: tuple, pass_configs: tuple) -> str:
+    """What names one compiled program (the shipped index's key): its factory, its static config with the
+    factory's defaults filled in (a launcher may leave them out), and its options."""
+    bound = inspect.signature(build).bind(*config)
+    bound.apply_defaults()
+    return f"{build.__name__}{tuple(bound.arguments.values())!r} {dict(pass_configs)!r}"
+
+
+@functools.lru_cache(maxsize=None)
+def warn_unavailable(reason: str) -> None:
+    """Say once per reason that a Hopper GPU runs the PyTorch path because no kernels can be had."""
+    warnings.warn(f"flash-qla: {reason}; running the PyTorch path instead (much slower). Install apache-tvm-ffi "
+                  "and use a build that ships kernels for this config, or install tilelang to compile them.",
+                  RuntimeWarning, stacklevel=3)
+
+
+def compile_program(build: Callable, *config, pass_configs: dict | None = None):
+    """The program ``build(*config)`` for sm_90a: shipped, or compiled (cached in memory and on disk)."""
+    return _program(build, tuple(config), pass_configs_of(build, pass_configs))
+
 
 def _ensure_cuda_home() -> None:
     if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
 
-def compile_program(build: Callable, *config, pass_configs: dict | None = None):
-    """Lower ``build(*config)`` and compile it for sm_90a (cached in memory and on disk).
-
-    A factory may carry its own ``build.pass_configs`` (TileLang options its kernel
-    needs, whoever compiles it); ``pass_configs`` adds to them.
-    """
-    configs = {**getattr(build, "pass_configs", {}), **(pass_configs or {})}
-    return _compile_cached(build, tuple(config), tuple(sorted(configs.items())))
-
-
 @functools.lru_cache(maxsize=None)
-def _compile_cached(build: Callable, config: tuple, pass_configs: tuple):
-    _ensure_cuda_home()
-    import tilelang  # lazy: CPU-only users and the hub's build sandbox never import it
+def _program(build: Callable, config: tuple, pass_configs: tuple):
+    key = program_key(build, config, pass_configs)
+    program = shipped.load_program(key)
+    if program is not None:
+        return program
+    if not tilelang_importable():
+        raise KernelsUnavailable(f"{key} is not shipped with this build and TileLang is not installed to compile it")
+    return compile_with_tilelang(build, config, pass_configs)
 
-    return tilelang.compile(
-        build(*config),
-        target=HOPPER_TARGET,
-        execution_backend="tvm_ffi",
-        pass_configs={**DEFAULT_PASS_CONFIGS, **dict(pass_configs)},
-    )
+
+def compile_with_tilelang(build: Callable, config: tuple, pass_configs: tuple):
+    """Lower and build one program with TileLang (or load it from TileLang's disk cache)."""
+    _ensure_cuda_home()
+    import tilelang  # lazy: CPU-only users and shipped builds never import it
+
+    start = time.perf_counter()
+    program = tilelang.compile(build(*config), target=HOPPER_TARGET, execution_backend="tvm_ffi",
+                               pass_configs=dict(pass_configs))
+    if shipped.index()["programs"]:  # a shipped build that lacks this program: say what it costs
+        logger.warning("flash-qla: %s(%s) is not among the shipped kernels; TileLang compiled it (or loaded its "
+                       "disk cache) in %.1f s", build.__name__, ", ".join(map(repr, config)),
+                       time.perf_counter() - start)
+    else:
+        logger.info("flash-qla: TileLang compiled %s in %.1f s", build.__name__, time.perf_counter() - start)
+    return program

@@ -1,0 +1,106 @@
+"""Every program the launchers can ask for at one head config: what a build ships and a cache warms.
+
+``scripts/export_programs.py`` exports exactly :func:`head_config_programs` for
+each shipped (head config, dtype), and ``kernels.shipped.covers_head_config``
+trusts that: so this list must hold every config a launcher passes to
+``compile_program`` (``tests/test_programs.py`` checks it against the planners).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from .hopper_backward import SCORES_WIDTHS, WALK_WIDEST
+from .hopper_forward import BLOCK_WIDTHS, StatePassPlan, value_correction
+from .kernels.causal_conv_step import build_causal_conv_step
+from .kernels.chunk_forward import build_chunk_forward
+from .kernels.chunk_local_gradients import build_chunk_local_gradients
+from .kernels.chunk_prep import build_chunk_prep
+from .kernels.chunk_scores import build_chunk_scores
+from .kernels.gated_rms_norm import build_gated_rms_norm
+from .kernels.inverse_norms import build_inverse_norms
+from .kernels.recurrent_step import BLOCK_WIDTHS as DECODE_WIDTHS
+from .kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
+from .kernels.reverse_state_pass import build_reverse_state_pass
+from .kernels.segment_scan import build_segment_scan
+from .kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
+from .kernels.zero_tail_rows import build_zero_tail_rows
+
+KINDS = ("forward", "backward", "decode")
+HOPPER_SMS = 132  # H100 SXM and H200: the persistent local-gradient programs are built per SM count
+# Qwen3.5/3.6's GDN heads (Hqk, Hv) per model, and per rank under tensor parallelism up to 8 ways.
+QWEN_MODEL_HEADS = ((16, 64), (16, 48), (16, 32), (16, 16))
+QWEN_HEAD_CONFIGS = tuple(sorted({(hqk // tp, hv // tp) for hqk, hv in QWEN_MODEL_HEADS for tp in (1, 2, 4, 8)},
+                                 reverse=True))
+
+
+def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all_flags: bool = True,
+                         kernels=KINDS) -> list[tuple]:
+    """Every ``(factory, config)`` the launchers can ask for at one head config and dtype.
+
+    ``kernels``: a subset of :data:`KINDS`; ``widths``: the state pass's value-block
+    widths; ``all_flags``: every (initial state, final state) pair and context
+    parallelism's programs, else both states on and no segments (a warm cache for
+    the common call).  ``tests/test_programs.py`` checks this list against the
+    planners' choices.
+    """
+    flags = list(itertools.product([True, False], repeat=2)) if all_flags else [(True, True)]
+    out = []
+    if "decode" in kernels:
+        # g and beta as Transformers passes them (fp32, bf16) and both fp32; the layer's step (gates in kernel,
+        # from its a, b and its A_log, dt_bias in the model's dtype)
+        gates = [("float32", "bfloat16", False), ("float32", "float32", False), (dtype, dtype, True)]
+        out += [(build_recurrent_step, (RecurrentStepConfig(
+                    hqk, hv, dtype, g, beta, b, l2norm, h0, ht, varlen, gate_in_kernel=in_kernel,
+                    beta_sigmoid_in_kernel=in_kernel, param_dtype=dtype if in_kernel else "float32"),))
+                for (g, beta, in_kernel), b, l2norm, (h0, ht), varlen in itertools.product(
+                    gates, DECODE_WIDTHS, [True, False], flags, [False, True])
+                if not in_kernel or (l2norm and not varlen)]
+        # the layer's conv step (Qwen3.5's conv1d has no bias) and gated RMSNorm
+        out += [(build_causal_conv_step, ((2 * hqk + hv) * 128, 4, dtype, False, True)),
+                (build_gated_rms_norm, (128, dtype))]
+    if "forward" not in kernels and "backward" not in kernels:
+        return out
+    # chunk_prep: (store_inverse, store_keys) of the forward's plans and of the backward, each with and
+    # without the keys' norms (the l2norm)
+    preps = [(False, False), (False, True)] + ([(True, True)] if "backward" in kernels else [])
+    out += [(build_chunk_prep, (hqk, hv, 128, dtype, inverse, keys, l2norm))
+            for (inverse, keys), l2norm in itertools.product(preps, (True, False))]
+    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_zero_tail_rows, (hv * 128, dtype)),
+            (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
+    # the state pass's value correction, per width, for one pass over whole sequences or over segments
+    correction = lambda b, segments=False: value_correction(StatePassPlan(b, 2048 if segments else None))
+    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, correction(b)))
+            for (h0, ht), b in itertools.product(flags, widths)]
+    if all_flags:  # context parallelism: its scans (the forward's; the reverse pass's by its own maps or by the
+        # forward's transposed), its first two passes (states only; the second with zero values) and its last pass
+        out += [(build_segment_scan, (hv, 128, 128, backwards, transposed))
+                for backwards, transposed in ((False, False), (True, False), (True, True))]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, True,
+                                       correction(b, True))) for b in widths]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, False,
+                                       correction(b, True))) for b in widths]
+        out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
+                                       correction(b, True))) for b in widths]
+    if "backward" in kernels:
+        out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, HOPPER_SMS))
+                for l2norm in (True, False)]
+        out.append((build_chunk_scores, (hqk, hv, 128, dtype)))  # P, for the narrow reverse passes
+        for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
+            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
+                                              correction(b))))
+            scores = b in SCORES_WIDTHS
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, True, True, scores)))
+            # context parallelism's first reverse pass (no stores) and its transition pass (no dO either)
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, b, False, not has_state,
+                                                   scores)))
+        if all_flags:  # in the segments of a forward that ran whole-head programs in segments: the
+            # recompute, and the reverse pass's first and last passes at whole heads
+            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,
+                                              correction(128, True))))
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, 128, False, True)))
+            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, True, 128)))
+            # the recompute at whole heads over whole sequences (the GPU tests' walks at every width)
+            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,
+                                              correction(128))))
+    return out

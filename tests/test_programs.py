@@ -1,0 +1,144 @@
+"""``programs.head_config_programs`` holds every program the launchers ask for (CPU, no kernel runs).
+
+A build ships exactly that list for each head config it covers, and the library then
+trusts it (``kernels.shipped.covers_head_config``): a program missing from it would be
+a config that fails on a machine without TileLang.  So the launchers run here on CPU
+tensors over shapes that reach every plan (widths, context parallelism, the walks in
+the forward's segments, the decode widths), with ``compile_program`` replaced by a
+recorder whose programs do nothing, and every program they ask for must be listed.
+"""
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")  # the list names the factories with their TileLang signatures
+
+from flash_qla_tl import context_parallel, hopper_backward, hopper_forward, hopper_layer, hopper_recurrent  # noqa: E402
+from flash_qla_tl.kernels import compile as compile_module  # noqa: E402
+from flash_qla_tl.programs import KINDS, head_config_programs  # noqa: E402
+
+SMS = 132
+HEADS = [(2, 8), (16, 32), (1, 2)]
+# (tokens per sequence): one short and one long sequence, a few long ones, many short ones, lengths not a
+# multiple of 64: together they reach every state-pass width, segments, and the walks' own and the forward's
+LENGTHS = [[100], [32768], [8192] * 4, [300] * 40, [16834, 15934]]
+
+
+class FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def requests(monkeypatch):
+    """The keys of the programs the launchers ask for while the test runs."""
+    asked = []
+
+    def record(build, *config, pass_configs=None):
+        asked.append(compile_module.program_key(build, config, compile_module.pass_configs_of(build, pass_configs)))
+        return lambda *args: None
+
+    monkeypatch.setattr(compile_module, "compile_program", record)
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(context_parallel, "transition_stream", lambda device: FakeStream())
+    monkeypatch.setattr(hopper_backward, "side_stream", lambda device: FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    # as under CUDA-graph capture, where the forward also zeroes the rows past the last sequence
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    return asked
+
+
+def listed(hqk, hv, dtype):
+    return {compile_module.program_key(build, config, compile_module.pass_configs_of(build))
+            for build, config in head_config_programs(hqk, hv, dtype, kernels=KINDS)}
+
+
+def inputs(hqk, hv, lengths, dtype=torch.bfloat16):
+    total = sum(lengths)
+    q, k = (torch.empty(1, total, hqk, 128, dtype=dtype) for _ in range(2))
+    v = torch.empty(1, total, hv, 128, dtype=dtype)
+    g, beta = torch.zeros(1, total, hv), torch.full((1, total, hv), 0.5)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return q, k, v, g, beta, cu_seqlens
+
+
+@pytest.mark.parametrize("hqk,hv", HEADS)
+def test_forward_and_backward_programs_are_listed(requests, hqk, hv):
+    for lengths, has_h0, store_ht, l2norm in itertools.product(LENGTHS, (True, False), (True, False), (True, False)):
+        q, k, v, g, beta, cu_seqlens = inputs(hqk, hv, lengths)
+        h0 = torch.zeros(len(lengths), hv, 128, 128) if has_h0 else None
+        o, ht, segments = hopper_forward.chunk_forward(q, k, v, g, beta, None, h0, store_ht, l2norm, cu_seqlens,
+                                                       return_segments=True)
+        kept = segments if hopper_backward.walks_take_forward_segments(sum(lengths), len(lengths), hv, q.device) \
+            else None
+        dht = torch.zeros(len(lengths), hv, 128, 128) if store_ht else None
+        hopper_backward.chunk_backward(q, k, v, g, beta, None, h0, torch.empty_like(o), dht, l2norm, cu_seqlens,
+                                       kept)
+    missing = set(requests) - listed(hqk, hv, "bfloat16")
+    assert requests and not missing, sorted(missing)
+
+
+@pytest.mark.parametrize("hqk,hv", HEADS)
+def test_decode_programs_are_listed(requests, hqk, hv):
+    for batch, tokens, varlen, l2norm, (has_h0, store_ht), gates in itertools.product(
+            (1, 8, 256), (1, 4), (False, True), (True, False), ((True, True), (True, False), (False, True)),
+            ("fp32-bf16", "fp32", "layer")):
+        if gates == "layer" and (varlen or not l2norm):
+            continue  # the layer's decode step: dense, l2norm in kernel
+        q, k, v, _, _, _ = inputs(hqk, hv, [tokens] * batch)
+        q, k, v = (x.view(batch, tokens, *x.shape[2:]) for x in (q, k, v))
+        g = torch.zeros(batch, tokens, hv, dtype=torch.bfloat16 if gates == "layer" else torch.float32)
+        beta = torch.zeros(batch, tokens, hv, dtype=torch.float32 if gates == "fp32" else torch.bfloat16)
+        layer = dict(A_log=torch.zeros(hv, dtype=torch.bfloat16), dt_bias=torch.zeros(hv, dtype=torch.bfloat16),
+                     beta_sigmoid=True) if gates == "layer" else {}
+        cu_seqlens = None
+        if varlen:
+            q, k, v, g, beta = (x.reshape(1, batch * tokens, *x.shape[2:]) for x in (q, k, v, g, beta))
+            cu_seqlens = torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32)
+        h0 = torch.zeros(batch, hv, 128, 128) if has_h0 else None
+        hopper_recurrent.recurrent_forward(q, k, v, g, beta, None, h0, store_ht, l2norm, cu_seqlens, **layer)
+    channels = (2 * hqk + hv) * 128
+    hopper_layer.causal_conv1d_step(torch.empty(3, channels, 1, dtype=torch.bfloat16),
+                                    torch.empty(3, channels, 4, dtype=torch.bfloat16),
+                                    torch.empty(channels, 4, dtype=torch.bfloat16), None, "silu")
+    hopper_layer.gated_rms_norm(torch.empty(5, 128, dtype=torch.bfloat16), torch.empty(5, 128, dtype=torch.bfloat16),
+                                torch.empty(128, dtype=torch.bfloat16), 1e-6)
+    missing = set(requests) - listed(hqk, hv, "bfloat16")
+    assert requests and not missing, sorted(missing)
+
+
+def test_keys_fill_in_defaults():
+    """A launcher that leaves a factory's defaults out asks for the same program as the list that spells them."""
+    from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass
+
+    configs = compile_module.pass_configs_of(build_reverse_state_pass)
+    short = compile_module.program_key(build_reverse_state_pass, (2, 8, 128, 128, "bfloat16", True, 64), configs)
+    spelled = compile_module.program_key(
+        build_reverse_state_pass, (2, 8, 128, 128, "bfloat16", True, 64, True, True, False), configs)
+    assert short == spelled
+    other = compile_module.program_key(
+        build_reverse_state_pass, (2, 8, 128, 128, "bfloat16", True, 64, True, True, True), configs)
+    assert other != short
+
+
+def test_decode_with_unshipped_gate_dtypes_takes_a_listed_program(requests, monkeypatch):
+    """g and beta in dtypes no build ships (fp16 g, say) take the fp32 program, with the gates made in PyTorch,
+    where the program for their own dtypes cannot be had."""
+    shipped = listed(2, 8, "bfloat16")
+    monkeypatch.setattr(compile_module, "program_available", lambda build, *config: compile_module.program_key(
+        build, config, compile_module.pass_configs_of(build)) in shipped)
+    q, k, v, _, _, _ = inputs(2, 8, [1] * 4)
+    q, k, v = (x.view(4, 1, *x.shape[2:]) for x in (q, k, v))
+    for g_dtype, beta_dtype in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        g, beta = torch.zeros(4, 1, 8, dtype=g_dtype), torch.zeros(4, 1, 8, dtype=beta_dtype)
+        hopper_recurrent.recurrent_forward(q, k, v, g, beta, None, None, True, True)
+    hopper_recurrent.recurrent_forward(  # the layer's gates from fp32 parameters
+        q, k, v, torch.zeros(4, 1, 8, dtype=torch.bfloat16), torch.zeros(4, 1, 8, dtype=torch.bfloat16), None,
+        None, True, True, A_log=torch.zeros(8), dt_bias=torch.zeros(8), beta_sigmoid=True)
+    assert len(requests) == 3 and set(requests) <= shipped
+    assert all("gate_dtype='float32', beta_dtype='float32'" in r for r in requests)
