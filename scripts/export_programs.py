@@ -126,6 +126,52 @@ def cuda_module(library_bin: bytes) -> tuple[bytes, list[dict]]:
     return m.bytes(), kernels
 
 
+# Sections that only debuggers and profilers read: nvcc's line tables (TileLang always passes -lineinfo), the
+# PTX text and their relocations; three quarters of a cubin's bytes.
+DEBUG_PREFIXES = (".debug_", ".nv_debug_")
+SHT_RELA, SHT_NOBITS = 4, 8
+ALIGNMENT = 4096  # bytes are removed in whole pages, so every later section keeps its alignment
+
+
+def strip_debug_sections(image: bytes) -> bytes:
+    """The cubin ``image`` without its debug sections' contents: those sections and their relocations are
+    emptied and their bytes cut out of the file, the offsets of what follows moved down.  Code, constants,
+    kernel attributes and symbols are copied byte for byte (``tests/test_shipped.py`` compares them)."""
+    out = bytearray(image)
+    phoff, shoff = struct.unpack_from("<QQ", out, 0x20)
+    phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from("<HHHHH", out, 0x36)
+    header = lambda i: shoff + i * shentsize  # noqa: E731
+    sections = [list(struct.unpack_from("<IIQQQQIIQQ", out, header(i))) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    name = lambda s: bytes(out[names + s[0]:out.index(b"\0", names + s[0])]).decode()  # noqa: E731
+    debug = {i for i, s in enumerate(sections) if name(s).startswith(DEBUG_PREFIXES)}
+    debug |= {i for i, s in enumerate(sections) if s[1] == SHT_RELA and s[7] in debug}
+    spans = [(sections[i][4], sections[i][4] + sections[i][5]) for i in debug if sections[i][1] != SHT_RELA]
+    if not spans:
+        return image
+    start, end = min(a for a, _ in spans), max(b for _, b in spans)
+    for i, s in enumerate(sections):  # nothing else may live among the debug bytes
+        if i not in debug and s[1] != SHT_NOBITS and s[5] and s[4] < end and s[4] + s[5] > start:
+            raise ValueError(f"section {name(s)} lies among the debug sections")
+    cut = (end - start) // ALIGNMENT * ALIGNMENT
+    if not cut:
+        return image
+    moved = lambda offset: offset - cut if offset >= start + cut else offset  # noqa: E731
+    for i, s in enumerate(sections):
+        s[4] = start if i in debug else moved(s[4])
+        if i in debug:
+            s[5] = 0
+    phoff, shoff = moved(phoff), moved(shoff)
+    del out[start:start + cut]
+    struct.pack_into("<QQ", out, 0x20, phoff, shoff)
+    for i, s in enumerate(sections):
+        struct.pack_into("<IIQQQQIIQQ", out, header(i), *s)
+    for i in range(phnum):  # program headers: p_offset is the second 8-byte field after p_type, p_flags
+        at = phoff + i * phentsize + 8
+        struct.pack_into("<Q", out, at, moved(struct.unpack_from("<Q", out, at)[0]))
+    return bytes(out)
+
+
 def argument_codes(kernel: dict) -> list[int]:
     """How program_launcher.c passes each argument (TVM's conversion for its type, or a TMA descriptor)."""
     codes = []
@@ -190,8 +236,10 @@ def build_library(host_source: str, cubin: bytes, kernels: list[dict], out: Path
         for name in ("kernels.c", "cubin.s"):
             subprocess.run(["gcc", *flags, "-c", work / name, "-o", work / f"{name}.o"], check=True)
         subprocess.run(["gcc", *flags, "-c", LAUNCHER, "-o", work / "launcher.o"], check=True)
-        subprocess.run(["gcc", "-shared", "-o", out, work / "host.o", work / "kernels.c.o", work / "cubin.s.o",
-                        work / "launcher.o", "-Wl,--no-as-needed", "-ldl", "-lpthread"], check=True)
+        # -s and one segment for code and data: no static symbol table, no page of padding between segments
+        subprocess.run(["gcc", "-shared", "-s", "-Wl,-z,noseparate-code", "-o", out, work / "host.o",
+                        work / "kernels.c.o", work / "cubin.s.o", work / "launcher.o", "-Wl,--no-as-needed", "-ldl",
+                        "-lpthread"], check=True)
 
 
 def export_program(build, config: tuple, out_dir: Path) -> tuple[str, str]:
@@ -203,7 +251,7 @@ def export_program(build, config: tuple, out_dir: Path) -> tuple[str, str]:
         kernel.export_library(f"{work}/tilelang.so")
         cubin, kernels = cuda_module(elf_symbol(Path(work) / "tilelang.so", LIBRARY_BIN))
     name = index_entry_name(key)
-    build_library(kernel.get_host_source(), cubin, kernels, out_dir / name)
+    build_library(kernel.get_host_source(), strip_debug_sections(cubin), kernels, out_dir / name)
     return key, name
 
 

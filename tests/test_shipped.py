@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import export_programs  # noqa: E402
 
+from flash_qla_tl.kernels.compile import pass_configs_of  # noqa: E402
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
 from flash_qla_tl.kernels.shipped import INDEX_NAME  # noqa: E402
@@ -225,3 +226,34 @@ def test_gpu_compiled_package_runs_without_tilelang_or_nvcc(tmp_path):
     result = cold_start.shipped_first_calls(tmp_path, 1, 2)
     assert "tvm-ffi01-cu1" in result["kernel_file"] and not result["tilelang_imported"]
     assert result["identical_to_tilelang_build"], result
+
+
+def sections(image: bytes) -> dict[str, bytes]:
+    """A cubin's sections by name: their file contents (none for NOBITS)."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", image, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", image, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+    return {image[names + h[0]:image.index(b"\0", names + h[0])].decode():
+            b"" if h[1] == 8 else image[h[4]:h[4] + h[5]] for h in headers}
+
+
+def test_debug_sections_are_cut_and_nothing_else_changes(tmp_path):
+    """The shipped cubins lose nvcc's line tables and PTX text (TileLang always asks for them) and keep every
+    other section byte for byte."""
+    from flash_qla_tl.kernels.compile import compile_with_tilelang
+
+    kernel = compile_with_tilelang(build_chunk_forward, FORWARD, pass_configs_of(build_chunk_forward))
+    kernel.export_library(str(tmp_path / "tilelang.so"))
+    cubin, _ = export_programs.cuda_module(export_programs.elf_symbol(tmp_path / "tilelang.so",
+                                                                      export_programs.LIBRARY_BIN))
+    stripped = export_programs.strip_debug_sections(cubin)
+    before, after = sections(cubin), sections(stripped)
+    assert before.keys() == after.keys()
+    debug = {n for n in before if n.startswith((".debug_", ".nv_debug_", ".rela.debug_", ".rela.nv_debug_"))}
+    assert {".nv_debug_ptx_txt", ".debug_line"} <= debug and ".text.chunk_forward_kernel" not in debug
+    assert all(after[n] == b"" for n in debug)
+    assert all(after[n] == before[n] for n in before.keys() - debug)
+    assert len(stripped) < len(cubin) / 2
