@@ -257,3 +257,42 @@ def test_debug_sections_are_cut_and_nothing_else_changes(tmp_path):
     assert all(after[n] == b"" for n in debug)
     assert all(after[n] == before[n] for n in before.keys() - debug)
     assert len(stripped) < len(cubin) / 2
+
+
+def test_compiled_build_is_a_kernel_variant_that_get_kernel_loads(tmp_path, monkeypatch, capsys):
+    """`build_hub.py --compiled` (here with one small program standing in for a head config's list): the arch
+    variant and torch-universal beside it, metadata kernels reads (tvm-ffi among the Python dependencies),
+    `kernels info`, and `get_kernel` loading the variant in a fresh process that cannot import TileLang."""
+    import tomllib
+
+    import build_hub
+    from kernels._rust import Backend, Metadata
+    from kernels.cli.info import print_kernel_info
+
+    monkeypatch.setattr(export_programs, "head_config_programs", lambda hqk, hv, dtype: [PROGRAMS[0]])
+    config = tomllib.loads((ROOT / "build.toml").read_text())
+    variant, universal = build_hub.build_compiled(config, ROOT / "torch-ext" / "flash_qla", ROOT / "flash_qla_tl",
+                                                  tmp_path, [(1, 2, "bfloat16")], jobs=1)
+    assert variant.name == build_hub.compiled_variant_name() and universal.name == "torch-universal"
+    metadata = Metadata.read_from_file(variant / "metadata.json")
+    assert metadata.python_depends == ["tvm-ffi"] and metadata.backend.backend_type == Backend.CUDA
+    assert Metadata.read_from_file(universal / "metadata.json").python_depends == []
+    assert not (universal / "flash_qla_tl" / "shipped").exists()
+    index = json.loads((variant / "flash_qla_tl" / "shipped" / INDEX_NAME).read_text())
+    assert index["head_configs"] == [[1, 2, "bfloat16"]] and index["sms"] == 132 and len(index["programs"]) == 1
+    print_kernel_info(str(tmp_path))
+    assert "Python dependencies: tvm-ffi" in capsys.readouterr().out
+
+    script = textwrap.dedent("""
+        import importlib, sys
+        sys.modules["tilelang"] = None
+        from kernels import get_kernel
+        flash_qla = get_kernel("qwen/flash-qla", version=1)
+        shipped = importlib.import_module(flash_qla.__name__ + ".flash_qla_tl.kernels.shipped")
+        print(flash_qla.__file__, shipped.covers_head_config(1, 2, "bfloat16", 132))
+    """)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "LOCAL_KERNELS": f"qwen/flash-qla={variant}"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [str(variant / "__init__.py"), "True"]
