@@ -243,15 +243,22 @@ def build_library(host_source: str, cubin: bytes, kernels: list[dict], out: Path
 
 
 def export_program(build, config: tuple, out_dir: Path) -> tuple[str, str]:
-    """Compile (or load from TileLang's cache) one program and write it to ``out_dir``: ``(key, file name)``."""
+    """Compile (or load from TileLang's cache) one program and write it to ``out_dir``: ``(key, file name)``.
+
+    A library already there is kept (files appear whole: each is linked under another name, then renamed),
+    so an interrupted export picks up where it stopped."""
     pass_configs = pass_configs_of(build)
-    kernel = compile_with_tilelang(build, config, pass_configs)
     key = program_key(build, config, pass_configs)
+    name = index_entry_name(key)
+    if (out_dir / name).is_file():
+        return key, name
+    kernel = compile_with_tilelang(build, config, pass_configs)
     with tempfile.TemporaryDirectory() as work:  # TileLang's own library, freshly built or from its cache
         kernel.export_library(f"{work}/tilelang.so")
         cubin, kernels = cuda_module(elf_symbol(Path(work) / "tilelang.so", LIBRARY_BIN))
-    name = index_entry_name(key)
-    build_library(kernel.get_host_source(), strip_debug_sections(cubin), kernels, out_dir / name)
+    partial = out_dir / f"{name}.partial"
+    build_library(kernel.get_host_source(), strip_debug_sections(cubin), kernels, partial)
+    partial.replace(out_dir / name)
     return key, name
 
 
