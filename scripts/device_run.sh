@@ -116,7 +116,8 @@ for step in $steps; do
       rm -f "$OUT/ncu_source.csv" ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
     shipped) # issue 17: the compiled hub package built here on all cores, then its first calls in a fresh process
-             # without TileLang or nvcc (get_kernel + first forward, first forward + backward; results vs TileLang's)
+             # without TileLang or nvcc (get_kernel + first forward, first forward + backward; results vs TileLang's);
+             # needs the --hf bundle (kernels)
       python scripts/build_hub.py --compiled --heads ${SHIPPED_HEADS:-16x32,16x64} --dtypes bfloat16 --jobs 15 \
         --out /tmp/shipped 2>&1 | grep -v INFO | tail -3
       python benchmarks/cold_start.py --shipped /tmp/shipped --heads ${SHIPPED_HEADS:-16x32,16x64} 2>&1 \
