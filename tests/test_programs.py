@@ -18,10 +18,10 @@ pytest.importorskip("tilelang")  # the list names the factories with their TileL
 
 from flash_qla_tl import context_parallel, hopper_backward, hopper_forward, hopper_layer, hopper_recurrent  # noqa: E402
 from flash_qla_tl.kernels import compile as compile_module  # noqa: E402
-from flash_qla_tl.programs import KINDS, head_config_programs  # noqa: E402
+from flash_qla_tl.programs import KINDS, QWEN_HEAD_CONFIGS, head_config_programs  # noqa: E402
 
 SMS = 132
-HEADS = [(2, 8), (16, 32), (1, 2)]
+HEADS = [*QWEN_HEAD_CONFIGS, (1, 2)]  # every shipped head config, and one more (a config is not special-cased)
 # (tokens per sequence): one short and one long sequence, a few long ones, many short ones, lengths not a
 # multiple of 64: together they reach every state-pass width, segments, and the walks' own and the forward's
 LENGTHS = [[100], [32768], [8192] * 4, [300] * 40, [16834, 15934]]
