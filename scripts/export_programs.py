@@ -52,14 +52,24 @@ DYNAMIC_SHARED_MEMORY = "tirx.use_dyn_shared_memory"
 
 # ---- reading what TileLang built ----
 
+SECTION_HEADER = "<IIQQQQIIQQ"  # name, type, flags, address, offset, size, link, info, alignment, entry size
+
+
+def section_headers(image: bytes | bytearray) -> tuple[list[list[int]], list[str]]:
+    """A little-endian ELF64 file's section headers (each a list of its fields) and their names."""
+    if image[:4] != b"\x7fELF" or image[4] != 2 or image[5] != 1:
+        raise ValueError("not a little-endian ELF64 file")
+    shoff, = struct.unpack_from("<Q", image, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", image, 0x3A)
+    headers = [list(struct.unpack_from(SECTION_HEADER, image, shoff + i * shentsize)) for i in range(shnum)]
+    names = headers[shstrndx][4]
+    return headers, [bytes(image[names + h[0]:image.index(b"\0", names + h[0])]).decode() for h in headers]
+
+
 def elf_symbol(path: Path, name: str) -> bytes:
     """The bytes of a defined symbol of an x86-64 ELF shared library, from its symbol tables."""
     data = path.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise ValueError(f"{path}: not a little-endian ELF64 file")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    sections, _ = section_headers(data)
     for _, kind, _, _, offset, size, link, _, _, entsize in sections:
         if kind not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
             continue
@@ -139,12 +149,9 @@ def strip_debug_sections(image: bytes) -> bytes:
     kernel attributes and symbols are copied byte for byte (``tests/test_shipped.py`` compares them)."""
     out = bytearray(image)
     phoff, shoff = struct.unpack_from("<QQ", out, 0x20)
-    phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from("<HHHHH", out, 0x36)
-    header = lambda i: shoff + i * shentsize  # noqa: E731
-    sections = [list(struct.unpack_from("<IIQQQQIIQQ", out, header(i))) for i in range(shnum)]
-    names = sections[shstrndx][4]
-    name = lambda s: bytes(out[names + s[0]:out.index(b"\0", names + s[0])]).decode()  # noqa: E731
-    debug = {i for i, s in enumerate(sections) if name(s).startswith(DEBUG_PREFIXES)}
+    phentsize, phnum, shentsize = struct.unpack_from("<HHH", out, 0x36)
+    sections, names = section_headers(out)
+    debug = {i for i, name in enumerate(names) if name.startswith(DEBUG_PREFIXES)}
     debug |= {i for i, s in enumerate(sections) if s[1] == SHT_RELA and s[7] in debug}
     spans = [(sections[i][4], sections[i][4] + sections[i][5]) for i in debug if sections[i][1] != SHT_RELA]
     if not spans:
@@ -152,7 +159,7 @@ def strip_debug_sections(image: bytes) -> bytes:
     start, end = min(a for a, _ in spans), max(b for _, b in spans)
     for i, s in enumerate(sections):  # nothing else may live among the debug bytes
         if i not in debug and s[1] != SHT_NOBITS and s[5] and s[4] < end and s[4] + s[5] > start:
-            raise ValueError(f"section {name(s)} lies among the debug sections")
+            raise ValueError(f"section {names[i]} lies among the debug sections")
     cut = (end - start) // ALIGNMENT * ALIGNMENT
     if not cut:
         return image
@@ -165,7 +172,7 @@ def strip_debug_sections(image: bytes) -> bytes:
     del out[start:start + cut]
     struct.pack_into("<QQ", out, 0x20, phoff, shoff)
     for i, s in enumerate(sections):
-        struct.pack_into("<IIQQQQIIQQ", out, header(i), *s)
+        struct.pack_into(SECTION_HEADER, out, shoff + i * shentsize, *s)
     for i in range(phnum):  # program headers: p_offset is the second 8-byte field after p_type, p_flags
         at = phoff + i * phentsize + 8
         struct.pack_into("<Q", out, at, moved(struct.unpack_from("<Q", out, at)[0]))
