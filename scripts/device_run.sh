@@ -116,12 +116,14 @@ for step in $steps; do
       rm -f "$OUT/ncu_source.csv" ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
     shipped) # issue 17: the compiled hub package built here on all cores, then its first calls in a fresh process
-             # without TileLang or nvcc (get_kernel + first forward, first forward + backward; results vs TileLang's);
+             # without TileLang or nvcc (get_kernel + first forward, first forward + backward; results vs TileLang's),
+             # then the GPU test of tests/test_shipped.py;
              # needs the --hf bundle (kernels)
       python scripts/build_hub.py --compiled --heads ${SHIPPED_HEADS:-16x32,16x64} --dtypes bfloat16 --jobs 15 \
         --out /tmp/shipped 2>&1 | grep -v INFO | tail -3
       python benchmarks/cold_start.py --shipped /tmp/shipped --heads ${SHIPPED_HEADS:-16x32,16x64} 2>&1 \
-        | grep -v INFO | tee "$OUT/shipped.log" | tail -6 ;;
+        | grep -v INFO | tee "$OUT/shipped.log" | tail -6
+      timeout 300 python -m pytest -m gpu -q -rf tests/test_shipped.py 2>&1 | tee "$OUT/gpu-tests-shipped.log" | tail -5 ;;
     # PROFILE_PACKAGES (profile, bwdprofile): whose kernels, each of profile_kernels.py's --package
     # values ("" ours, a package directory, flash-qla), "-" for ours; PROFILE_ARGS: more options (--l2norm 0)
     profile)

@@ -175,29 +175,48 @@ def test_kernels_prefers_the_compiled_variant_where_it_can_run():
 
 
 def test_get_kernel_loads_offline_in_a_fresh_process_without_tilelang(hub_build, tmp_path):
+    """get_kernel imports neither TileLang nor Transformers; eager calls, forward and backward, do not go through
+    the custom ops, whose first call imports torch._dynamo (seconds of a fresh process's first forward)."""
     script = (
-        "import sys\n"
+        "import sys, torch\n"
         "from kernels import get_kernel\n"
         "flash_qla = get_kernel('qwen/flash-qla', version=1)\n"
         "print(flash_qla.__file__)\n"
         "print(sorted(m for m in ('tilelang', 'transformers', 'flash_qla_tl') if m in sys.modules))\n"
+        "q, k = (torch.randn(1, 9, 1, 16, requires_grad=True) for _ in range(2))\n"
+        "v = torch.randn(1, 9, 2, 16, requires_grad=True)\n"
+        "g, beta = -torch.rand(1, 9, 2), torch.rand(1, 9, 2)\n"
+        "o, state = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)\n"
+        "o.sum().backward()\n"
+        "flash_qla.fused_recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1],\n"
+        "                                           initial_state=state, output_final_state=True)\n"
+        "print(sorted(m for m in ('tilelang', 'torch._dynamo') if m in sys.modules))\n"
     )
     env = {
         "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
         "LOCAL_KERNELS": f"qwen/flash-qla={local_kernels_path(hub_build)}",
     }
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    module_file, imported = result.stdout.splitlines()
+    module_file, imported, imported_by_calls = result.stdout.splitlines()
     assert Path(module_file) == hub_build / "build" / "torch-cuda" / "__init__.py"
     assert imported == "[]"  # TileLang is lazy; the library is the vendored copy
+    assert imported_by_calls == "[]"
 
 
 # ---- operators ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("through_ops", [False, True], ids=["eager", "ops"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("op_name", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
-def test_ops_match_the_library_in_values_and_gradients(flash_qla, op_name, packed):
+def test_ops_match_the_library_in_values_and_gradients(flash_qla, op_name, packed, through_ops, monkeypatch):
+    """The public functions, eagerly (the library's autograd) and through the custom ops (what a traced call
+    takes), against the library."""
+    ops = sys.modules[f"{flash_qla.__name__}.ops"]
+    plain, through = [], []
+    plain_eager, call = ops.plain_eager, ops._call
+    monkeypatch.setattr(ops, "plain_eager", lambda *t: plain.append(plain_eager(*t)) or not through_ops)
+    monkeypatch.setattr(ops, "_call", lambda *args: through.append(args[0]) or call(*args))
     inputs = make_inputs(batch=2, length=70, hqk=2, hv=4, kdim=16, vdim=8, dtype=torch.float32,
                          seqs=[30, 1, 39] if packed else None, initial_state=True)
     copies = [{n: x.clone().requires_grad_(x.is_floating_point()) for n, x in inputs.items()} for _ in range(2)]
@@ -206,6 +225,9 @@ def test_ops_match_the_library_in_values_and_gradients(flash_qla, op_name, packe
         o, final_state = operator(**args, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seq_lens_q=None)
         (o.square().sum() + final_state.square().sum()).backward()
         results.append([o, final_state] + [args[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")])
+    assert plain == [True]  # plain tensors, no tracing
+    assert through == ([getattr(ops, "_chunk_op" if op_name.startswith("chunk") else "_recurrent_op")]
+                       if through_ops else [])
     for ours, library in zip(*results):
         assert rel_rms(ours, library) < 1e-5
 
@@ -436,8 +458,10 @@ def test_gpu_training_step_gradients_match_the_model_in_bf16(flash_qla):
 @sm90
 def test_gpu_chunk_op_hands_its_forwards_segments_to_the_backward(flash_qla, monkeypatch):
     """A forward run in segments (one long sequence, few heads) carries its entry states and transitions
-    to the backward as outputs of the op, eagerly and compiled (so the fake gives their shapes): the
-    gradients are the library's, and the backward's walks took the segments."""
+    to the backward: in the library's autograd (a plain eager call), and as outputs of the op, eagerly and
+    compiled (so the fake gives their shapes).  The gradients are the library's, and the backward's walks
+    took the segments."""
+    ops = sys.modules[f"{flash_qla.__name__}.ops"]
     vendored = sys.modules[f"{flash_qla.__name__}.flash_qla_tl.hopper_backward"]
     handed = []
     walks = vendored.kernel_walks
@@ -451,13 +475,19 @@ def test_gpu_chunk_op_hands_its_forwards_segments_to_the_backward(flash_qla, mon
                       use_qk_l2norm_in_kernel=True)
         return o.float().square().sum() + state.square().sum()
 
+    def through_ops(*args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(ops, "plain_eager", lambda *t: False)
+            return flash_qla.chunk_gated_delta_rule(*args, **kwargs)
+
     grads = []
-    for fn in (flash_qla.chunk_gated_delta_rule, torch.compile(flash_qla.chunk_gated_delta_rule, fullgraph=True,
-                                                              backend="aot_eager"), flash_qla_tl.chunk_gated_delta_rule):
+    for fn in (flash_qla.chunk_gated_delta_rule, through_ops,
+               torch.compile(flash_qla.chunk_gated_delta_rule, fullgraph=True, backend="aot_eager"),
+               flash_qla_tl.chunk_gated_delta_rule):
         args = [x[n].clone().requires_grad_() for n in names]
         loss(fn, args).backward()
         grads.append([a.grad for a in args])
-    assert len(handed) == 2 and all(h is not None and h.plan.segment_tokens for h in handed), handed
-    for op_grads in grads[:2]:
-        assert all(rel_rms(a, b) < 1e-6 for a, b in zip(op_grads, grads[2])), [rel_rms(a, b) for a, b in
-                                                                                 zip(op_grads, grads[2])]
+    assert len(handed) == 3 and all(h is not None and h.plan.segment_tokens for h in handed), handed
+    for op_grads in grads[:3]:
+        assert all(rel_rms(a, b) < 1e-6 for a, b in zip(op_grads, grads[3])), [rel_rms(a, b) for a, b in
+                                                                                 zip(op_grads, grads[3])]

@@ -225,6 +225,7 @@ def test_gpu_compiled_package_runs_without_tilelang_or_nvcc(tmp_path):
                     "bfloat16", "--jobs", str(os.cpu_count()), "--out", tmp_path], check=True)
     result = cold_start.shipped_first_calls(tmp_path, 1, 2)
     assert "tvm-ffi01-cu1" in result["kernel_file"] and not result["tilelang_imported"]
+    assert not result["dynamo_imported"]  # eager calls do not go through the custom ops
     assert result["identical_to_tilelang_build"], result
 
 

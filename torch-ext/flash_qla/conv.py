@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ._ops import add_op_namespace_prefix
 from .flash_qla_tl.hopper_layer import causal_conv1d_step, conv_step_unsupported_reason
+from .ops import plain_eager
 
 _ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
 
@@ -80,7 +81,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     """
     _check_activation(activation)
     if conv_step_unsupported_reason(x, conv_state, weight, bias, activation) is None:
-        return _conv_step_op(x, conv_state, weight, bias, activation)
+        step = causal_conv1d_step if plain_eager(x, conv_state, weight, bias) else _conv_step_op
+        return step(x, conv_state, weight, bias, activation)
     length = x.shape[-1]
     window = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
     conv_state.copy_(window[..., -conv_state.shape[-1]:])

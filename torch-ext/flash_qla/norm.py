@@ -8,6 +8,7 @@ from torch import nn
 from ._ops import add_op_namespace_prefix
 from .flash_qla_tl.hopper_layer import gated_rms_norm as _gated_rms_norm
 from .flash_qla_tl.hopper_layer import norm_unsupported_reason
+from .ops import plain_eager
 
 
 @torch.library.custom_op(add_op_namespace_prefix("gated_rms_norm"), mutates_args=())
@@ -24,5 +25,6 @@ def gated_rms_norm(norm: nn.Module, x: torch.Tensor, z: torch.Tensor) -> torch.T
     """``norm(x, z)`` for the layer's ``Qwen3_5RMSNormGated`` on rows ``[N, D]``; the kernel has no backward,
     so it runs only where no gradient is asked for."""
     if not torch.is_grad_enabled() and norm_unsupported_reason(x, z, norm.weight) is None:
-        return _norm_op(x, z, norm.weight, float(norm.variance_epsilon))
+        fn = _gated_rms_norm if plain_eager(x, z, norm.weight) else _norm_op
+        return fn(x, z, norm.weight, float(norm.variance_epsilon))
     return norm(x, z)

@@ -1,5 +1,12 @@
 """The gated delta rule as PyTorch custom ops, so `torch.compile` traces it without graph breaks.
 
+Only a traced call needs the ops.  A plain eager call (`plain_eager`) goes to the
+vendored library's public function, which runs the same kernels and the same
+backward through its own `autograd.Function`: the first call of any custom op
+imports `torch._dynamo` (torch wraps op bodies in `torch._disable_dynamo`), which
+took 4.8-6.2 s of a shipped build's first forward in a fresh process (H100/H200,
+2026-11-27), against a fraction of a second for the kernels themselves.
+
 Each operator is a forward op and a backward op under this build's own namespace
 (`_ops.add_op_namespace_prefix`, generated at build time), with fake (meta)
 implementations that give output shapes without running anything; decoding
@@ -17,6 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from . import flash_qla_tl as _library
 from ._ops import add_op_namespace_prefix
 from .flash_qla_tl import chunk_gated_delta_rule_bwd, fused_recurrent_gated_delta_rule_fwd
 from .flash_qla_tl import fused_recurrent_gated_delta_rule as _recurrent_forward
@@ -174,6 +182,16 @@ def _(q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens, A_log
     return v.new_empty(v.shape)
 
 
+def plain_eager(*tensors) -> bool:
+    """Whether a call runs eagerly on plain tensors: nothing traces it (torch.compile and strict export set
+    the compiling flag, make_fx and non-strict export push dispatch modes), no functorch transform wraps
+    it, and no argument is a tensor subclass (FakeTensor, DTensor) other than a Parameter (the layer's
+    A_log).  Anything else takes the ops (here, and the layer's in conv.py and norm.py)."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active()
+            and all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors))
+
+
 def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, kwargs):
     check_kwargs(kwargs)
     o, final_state, *_ = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -191,6 +209,9 @@ def chunk_gated_delta_rule(
     [N, Hv, K, V] float32 or None.  Pass-through keyword arguments such as
     Transformers' `cu_seq_lens_q` are accepted and ignored.
     """
+    if plain_eager(q, k, v, g, beta, initial_state, cu_seqlens):
+        return _library.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                               use_qk_l2norm_in_kernel, cu_seqlens, **kwargs)
     return _call(_chunk_op, q, k, v, g, beta, scale, initial_state, output_final_state,
                  use_qk_l2norm_in_kernel, cu_seqlens, kwargs)
 
@@ -207,6 +228,10 @@ def fused_recurrent_gated_delta_rule(
     float32; no gradients); `use_gate_in_kernel` (with `A_log`, `dt_bias`) and
     `use_beta_sigmoid_in_kernel` take Qwen3.5's raw gate inputs as g and beta.
     """
+    if plain_eager(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+        return _library.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            inplace_final_state, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, **kwargs)
     check_layer_gates(v, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     if not use_gate_in_kernel:
         A_log = dt_bias = None
