@@ -27,7 +27,9 @@ from .kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_
 from .kernels.zero_tail_rows import build_zero_tail_rows
 
 KINDS = ("forward", "backward", "decode")
-HOPPER_SMS = 132  # H100 SXM and H200: the persistent local-gradient programs are built per SM count
+# The persistent local-gradient programs run one program per SM, a compile-time count: a build ships them
+# for the sm_90 parts' SM counts, H100 SXM / H200 / H800 / GH200 (132), H100 PCIe / H800 PCIe (114), H20 (78).
+SHIPPED_SMS = (132, 114, 78)
 # Qwen3.5/3.6's GDN heads (Hqk, Hv) per model, and per rank under tensor parallelism up to 8 ways.
 QWEN_MODEL_HEADS = ((16, 64), (16, 48), (16, 32), (16, 16))
 QWEN_HEAD_CONFIGS = tuple(sorted({(hqk // tp, hv // tp) for hqk, hv in QWEN_MODEL_HEADS for tp in (1, 2, 4, 8)},
@@ -35,14 +37,15 @@ QWEN_HEAD_CONFIGS = tuple(sorted({(hqk // tp, hv // tp) for hqk, hv in QWEN_MODE
 
 
 def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all_flags: bool = True,
-                         kernels=KINDS) -> list[tuple]:
+                         kernels=KINDS, sms=SHIPPED_SMS) -> list[tuple]:
     """Every ``(factory, config)`` the launchers can ask for at one head config and dtype.
 
     ``kernels``: a subset of :data:`KINDS`; ``widths``: the state pass's value-block
     widths; ``all_flags``: every (initial state, final state) pair and context
     parallelism's programs, else both states on and no segments (a warm cache for
-    the common call).  ``tests/test_programs.py`` checks this list against the
-    planners' choices.
+    the common call); ``sms``: the SM counts of the GPUs served (only the persistent
+    backward programs depend on it).  ``tests/test_programs.py`` checks this list
+    against the planners' choices.
     """
     flags = list(itertools.product([True, False], repeat=2)) if all_flags else [(True, True)]
     out = []
@@ -83,8 +86,8 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
                                        correction(b, True))) for b in widths]
     if "backward" in kernels:
-        out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, HOPPER_SMS))
-                for l2norm in (True, False)]
+        out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, count))
+                for l2norm, count in itertools.product((True, False), sms)]
         out.append((build_chunk_scores, (hqk, hv, 128, dtype)))  # P, for the narrow reverse passes
         for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,

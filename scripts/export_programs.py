@@ -38,7 +38,7 @@ from flash_qla_tl.kernels.compile import (  # noqa: E402
     HOPPER_TARGET, compile_with_tilelang, pass_configs_of, program_key,
 )
 from flash_qla_tl.kernels.shipped import INDEX_NAME, index_entry_name  # noqa: E402
-from flash_qla_tl.programs import HOPPER_SMS, QWEN_HEAD_CONFIGS, head_config_programs  # noqa: E402
+from flash_qla_tl.programs import QWEN_HEAD_CONFIGS, SHIPPED_SMS, head_config_programs  # noqa: E402
 
 LAUNCHER = Path(__file__).resolve().parent / "program_launcher.c"  # and its .h
 LIBRARY_BIN = "__tvm_ffi__library_bin"
@@ -288,7 +288,7 @@ def export(head_configs: list[tuple[int, int, str]], out_dir: Path, jobs: int = 
         for key, name, line in pool.map(_export_task, [(b, c, out_dir) for b, c in tasks]):
             programs[key] = name
             print(line, flush=True)
-    index = {"tilelang": tilelang.__version__, "target": HOPPER_TARGET, "sms": HOPPER_SMS,
+    index = {"tilelang": tilelang.__version__, "target": HOPPER_TARGET, "sms": list(SHIPPED_SMS),
              "head_configs": [list(h) for h in head_configs], "programs": programs}
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return index

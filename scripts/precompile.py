@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
-from flash_qla_tl.programs import QWEN_HEAD_CONFIGS, head_config_programs  # noqa: E402
+from flash_qla_tl.programs import QWEN_HEAD_CONFIGS, SHIPPED_SMS, head_config_programs  # noqa: E402
 
 
 def compile_one(task, record=False):
@@ -59,6 +59,8 @@ def main():
     p.add_argument("--all-flags", action="store_true", help="every (initial state, final state) pair, not just both on")
     p.add_argument("--block-v", default="128,64,32", help="comma-separated value-block widths of the state pass")
     p.add_argument("--kernels", default="forward", help="comma-separated: forward, backward, decode")
+    p.add_argument("--sms", default=str(SHIPPED_SMS[0]),
+                   help="comma-separated SM counts of the persistent backward programs (the GPU's: H100 SXM, H200)")
     p.add_argument("--jobs", type=int, default=1, help="compiling processes")
     p.add_argument("--cache-list", type=Path, help="append the programs' cache directories to this file")
     args = p.parse_args()
@@ -66,7 +68,8 @@ def main():
     widths = [int(b) for b in args.block_v.split(",")]
     tasks = list(dict.fromkeys(t for (hqk, hv), dtype in itertools.product(heads, args.dtypes.split(","))
                                for t in head_config_programs(hqk, hv, dtype, widths, args.all_flags,
-                                                             args.kernels.split(","))))
+                                                             args.kernels.split(","),
+                                                             [int(n) for n in args.sms.split(",")])))
     print(f"cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')}; {len(tasks)} programs", flush=True)
     start = time.perf_counter()
     cache_dirs = set()

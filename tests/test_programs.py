@@ -18,9 +18,9 @@ pytest.importorskip("tilelang")  # the list names the factories with their TileL
 
 from flash_qla_tl import context_parallel, hopper_backward, hopper_forward, hopper_layer, hopper_recurrent  # noqa: E402
 from flash_qla_tl.kernels import compile as compile_module  # noqa: E402
-from flash_qla_tl.programs import KINDS, QWEN_HEAD_CONFIGS, head_config_programs  # noqa: E402
+from flash_qla_tl.programs import KINDS, QWEN_HEAD_CONFIGS, SHIPPED_SMS, head_config_programs  # noqa: E402
 
-SMS = 132
+SMS = SHIPPED_SMS[0]
 HEADS = [*QWEN_HEAD_CONFIGS, (1, 2)]  # every shipped head config, and one more (a config is not special-cased)
 # (tokens per sequence): one short and one long sequence, a few long ones, many short ones, lengths not a
 # multiple of 64: together they reach every state-pass width, segments, and the walks' own and the forward's
@@ -67,8 +67,8 @@ def inputs(hqk, hv, lengths, dtype=torch.bfloat16):
     return q, k, v, g, beta, cu_seqlens
 
 
-@pytest.mark.parametrize("hqk,hv", HEADS)
-def test_forward_and_backward_programs_are_listed(requests, hqk, hv):
+def run_forward_and_backward(hqk, hv):
+    """The launchers over every length mix, state flag and l2norm (what they ask for is recorded)."""
     for lengths, has_h0, store_ht, l2norm in itertools.product(LENGTHS, (True, False), (True, False), (True, False)):
         q, k, v, g, beta, cu_seqlens = inputs(hqk, hv, lengths)
         h0 = torch.zeros(len(lengths), hv, 128, 128) if has_h0 else None
@@ -79,8 +79,25 @@ def test_forward_and_backward_programs_are_listed(requests, hqk, hv):
         dht = torch.zeros(len(lengths), hv, 128, 128) if store_ht else None
         hopper_backward.chunk_backward(q, k, v, g, beta, None, h0, torch.empty_like(o), dht, l2norm, cu_seqlens,
                                        kept)
+
+
+@pytest.mark.parametrize("hqk,hv", HEADS)
+def test_forward_and_backward_programs_are_listed(requests, hqk, hv):
+    run_forward_and_backward(hqk, hv)
     missing = set(requests) - listed(hqk, hv, "bfloat16")
     assert requests and not missing, sorted(missing)
+
+
+@pytest.mark.parametrize("sms", SHIPPED_SMS[1:])
+@pytest.mark.parametrize("hqk,hv", [(16, 64), (2, 8), (1, 2)])
+def test_programs_are_listed_for_every_shipped_sm_count(requests, monkeypatch, sms, hqk, hv):
+    """On a GPU of fewer SMs the planners choose other widths and segments, and the persistent backward
+    programs are built for that count: all of it is in the list (as on 132 SMs above)."""
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: sms)
+    run_forward_and_backward(hqk, hv)
+    missing = set(requests) - listed(hqk, hv, "bfloat16")
+    assert requests and not missing, sorted(missing)
+    assert any(f", {sms}, " in r for r in requests if r.startswith("build_chunk_local_gradients"))
 
 
 @pytest.mark.parametrize("hqk,hv", HEADS)

@@ -33,6 +33,7 @@ from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
 from flash_qla_tl.kernels.shipped import INDEX_NAME  # noqa: E402
 from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows  # noqa: E402
+from flash_qla_tl.programs import SHIPPED_SMS  # noqa: E402
 
 # one head, two value heads, both states, 32-column programs
 FORWARD = (1, 2, 128, 128, "bfloat16", True, True, 32, False, True, True, "in_chain")
@@ -191,7 +192,8 @@ def test_which_configs_run_without_tilelang(monkeypatch, tmp_path):
     from flash_qla_tl.kernels import compile as compile_module
     from flash_qla_tl.kernels import shipped
 
-    (tmp_path / INDEX_NAME).write_text(json.dumps({"head_configs": [[2, 8, "bfloat16"]], "sms": 132, "programs": {}}))
+    (tmp_path / INDEX_NAME).write_text(json.dumps({"head_configs": [[2, 8, "bfloat16"]], "sms": [132, 114],
+                                                   "programs": {}}))
     monkeypatch.setenv("FLASH_QLA_SHIPPED_DIR", str(tmp_path))
     monkeypatch.setattr(compile_module, "tilelang_importable", lambda: False)
     monkeypatch.setattr(hopper_forward, "device_unsupported_reason", lambda x: None)  # as on an H100 / H200
@@ -207,8 +209,10 @@ def test_which_configs_run_without_tilelang(monkeypatch, tmp_path):
     assert "TileLang is not installed" in reason
     with pytest.warns(RuntimeWarning, match="in float16"):  # fp16 is not shipped
         assert hopper_forward.unsupported_reason(q.half(), q.half(), v8.half()) is not None
-    sms = 114  # an H100 PCIe: the persistent backward programs are built for 132 SMs
-    with pytest.warns(RuntimeWarning, match="on a GPU of 114 SMs"):
+    sms = 114  # an H100 PCIe, also shipped
+    assert hopper_forward.unsupported_reason(q, q, v8) is None
+    sms = 66  # a GPU whose persistent backward programs this build does not ship
+    with pytest.warns(RuntimeWarning, match="on a GPU of 66 SMs"):
         assert hopper_forward.unsupported_reason(q, q, v8) is not None
 
 
@@ -280,7 +284,8 @@ def test_compiled_build_is_a_kernel_variant_that_get_kernel_loads(tmp_path, monk
     assert Metadata.read_from_file(universal / "metadata.json").python_depends == []
     assert not (universal / "flash_qla_tl" / "shipped").exists()
     index = json.loads((variant / "flash_qla_tl" / "shipped" / INDEX_NAME).read_text())
-    assert index["head_configs"] == [[1, 2, "bfloat16"]] and index["sms"] == 132 and len(index["programs"]) == 1
+    assert index["head_configs"] == [[1, 2, "bfloat16"]] and index["sms"] == list(SHIPPED_SMS)
+    assert len(index["programs"]) == 1
     print_kernel_info(str(tmp_path))  # the metadata of whichever variant it reads first, and every backend
     assert {"Name: flash-qla", "Backends: cuda, universal"} <= set(capsys.readouterr().out.splitlines())
 

@@ -46,9 +46,9 @@ def index() -> dict:
 def covers_head_config(num_qk_heads: int, num_v_heads: int, dtype: str, sms: int) -> bool:
     """Whether every program the launchers can ask for at this head config and dtype, on a GPU of ``sms``
     SMs, is shipped (``programs.head_config_programs``: the build exports exactly those, the persistent
-    backward programs for the SM count it records)."""
+    backward programs for each SM count it records)."""
     shipped = index()
-    return [num_qk_heads, num_v_heads, dtype] in shipped["head_configs"] and shipped.get("sms") == sms
+    return [num_qk_heads, num_v_heads, dtype] in shipped["head_configs"] and sms in shipped.get("sms", ())
 
 
 def has_program(key: str) -> bool:
