@@ -1,11 +1,15 @@
-"""One Qwen3.5 GatedDeltaNet layer at the 9B shape, as users run it: kernelized vs Transformers.
+"""One Qwen3.5 GatedDeltaNet layer at published shapes, as users run it: kernelized vs Transformers.
 
-    python benchmarks/bench_layer.py --out benchmarks/results/layer      # T = 8192 and 32768, on the GPU
-    python benchmarks/bench_layer.py --device cpu --lengths 128 --reps 1  # wiring check without a GPU
+    python benchmarks/bench_layer.py --out benchmarks/results/layer      # both shapes, 8192, 32768, 4x8192
+    python benchmarks/bench_layer.py --device cpu --shapes qwen3.5-9b --lengths 128,2x64 --reps 1  # wiring, no GPU
 
-The layer is Transformers' ``Qwen3_5GatedDeltaNet`` (hidden 4096, 16 key heads, 32
-value heads, head dim 128, conv kernel 4), bf16, one sequence of T tokens, no cache.
-Columns, each measured in its own process (fla reads ``FLA_FLASH_QLA`` when imported):
+The layer is Transformers' ``Qwen3_5GatedDeltaNet`` in bf16, no cache, at the shapes
+of ``SHAPES``: Qwen3.5-9B (hidden 4096, 16 key heads, 32 value heads) and
+Qwen3.5/3.6-27B (hidden 5120, 16 key heads, 48 value heads), head dim 128, conv
+kernel 4.  ``--lengths``: ``T`` is one sequence of T tokens, ``NxT`` N sequences of
+T packed into one row (``cu_seq_lens_q``, as Transformers' packing passes them).
+Columns, each measured in its own process per shape (fla reads ``FLA_FLASH_QLA``
+when imported):
 
 * ``flash-qla-tl``: the layer after ``kernelize`` with this package (its module layer);
 * ``transformers+fla``: Transformers' own layer, whose operator is fla's
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import os
 import re
@@ -40,8 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import time_ms, versions  # noqa: E402
 
-SHAPE = dict(hidden_size=4096, linear_num_key_heads=16, linear_num_value_heads=32,
-             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+# Published configs' GDN layers: Qwen3.5-9B, and Qwen3.5-27B / Qwen3.6-27B (hidden 5120, (16, 48) heads).
+SHAPES = {
+    name: dict(hidden_size=hidden, linear_num_key_heads=hqk, linear_num_value_heads=hv,
+               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    for name, (hidden, hqk, hv) in {"qwen3.5-9b": (4096, 16, 32), "qwen3.5-27b": (5120, 16, 48)}.items()
+}
 # Environment of each column; None removes the variable.
 VARIANTS = {
     "flash-qla-tl": {},
@@ -58,17 +67,19 @@ SLOW_STEP_MS = 250.0
 # ----------------------------------------------------------------------------- worker
 
 
-def layer_config():
+def build_layer(shape: str, device: str, dtype: torch.dtype):
     from transformers import Qwen3_5TextConfig
-
-    return Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"], **SHAPE)
-
-
-def build_layer(device: str, dtype: torch.dtype):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     torch.manual_seed(0)
-    return Qwen3_5GatedDeltaNet(layer_config(), layer_idx=0).to(device=device, dtype=dtype).train()
+    config = Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"], **SHAPES[shape])
+    return Qwen3_5GatedDeltaNet(config, layer_idx=0).to(device=device, dtype=dtype).train()
+
+
+def sequence_lengths(row: str) -> list[int]:
+    """``"8192"`` -> one sequence; ``"4x8192"`` -> four of 8192 tokens, packed."""
+    count, _, length = row.rpartition("x")
+    return [int(length)] * int(count or 1)
 
 
 class _BackwardRange(torch.autograd.Function):
@@ -186,28 +197,33 @@ def profile_step(step) -> dict:
     return gpu_time_split(prof)
 
 
-def run_worker(variant: str, lengths: list[int], device: str, reps: int) -> dict:
+def run_worker(variant: str, shape: str, rows: list[str], device: str, reps: int) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    layer = build_layer(device, dtype)
+    layer = build_layer(shape, device, dtype)
     module, name = load_variant(variant, layer)
     marks = mark_operator(module, name)
-    results = {"variant": variant, "rows": []}
-    for length in lengths:
+    results = {"variant": variant, "shape": shape, "rows": []}
+    for spec in rows:
+        lengths = sequence_lengths(spec)
+        packed = {}
+        if len(lengths) > 1:
+            offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+            packed = {"cu_seq_lens_q": offsets}  # what both layers read (Transformers' operator pops it)
         gen = torch.Generator(device).manual_seed(1)
-        x = torch.randn(1, length, SHAPE["hidden_size"], device=device, dtype=dtype, generator=gen)
+        x = torch.randn(1, sum(lengths), SHAPES[shape]["hidden_size"], device=device, dtype=dtype, generator=gen)
         dy = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
         x_grad = x.clone().requires_grad_()
 
         def forward():
             with torch.no_grad():
-                return layer(x)
+                return layer(x, **packed)
 
         def forward_backward():
             layer.zero_grad(set_to_none=True)
             x_grad.grad = None
-            layer(x_grad).backward(dy)
+            layer(x_grad, **packed).backward(dy)
 
-        row = {"tokens": length}
+        row = {"row": spec, "tokens": sum(lengths)}
         for mode, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
             try:
                 calls = marks["calls"]
@@ -222,12 +238,13 @@ def run_worker(variant: str, lengths: list[int], device: str, reps: int) -> dict
                     row[mode] = {"ms": time_ms(step, warmup=0, reps=3), "note": "not profiled (slow step)"}
                 else:
                     row[mode] = {"ms": time_ms(step, warmup=2, reps=reps), **profile_step(step)}
-            except torch.OutOfMemoryError as e:
-                row[mode] = {"error": f"OutOfMemoryError: {str(e)[:100]}"}
+            except (torch.OutOfMemoryError, ValueError) as e:  # out of memory; a column that refuses packing
+                row[mode] = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
             if device == "cuda":
                 torch.cuda.empty_cache()
-        with torch.no_grad():
-            row["output_sample"] = layer(x)[0, -4:, :8].float().cpu().tolist()  # to compare columns
+        if all("error" not in row[mode] for mode in ("fwd", "fwd+bwd")):
+            with torch.no_grad():
+                row["output_sample"] = layer(x, **packed)[0, -4:, :8].float().cpu().tolist()  # to compare columns
         results["rows"].append(row)
         print(json.dumps({"variant": variant, **{k: v for k, v in row.items() if k != "output_sample"}}), flush=True)
     return results
@@ -236,16 +253,16 @@ def run_worker(variant: str, lengths: list[int], device: str, reps: int) -> dict
 # ----------------------------------------------------------------------------- driver
 
 
-def run_column(variant: str, args) -> dict:
+def run_column(variant: str, shape: str, args) -> dict:
     env = dict(os.environ)
     for key, value in VARIANTS[variant].items():
         env.pop(key, None) if value is None else env.__setitem__(key, value)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, __file__, "--worker", variant, "--json", out.name, "--device", args.device,
-               "--lengths", ",".join(map(str, args.lengths)), "--reps", str(args.reps)]
+               "--shapes", shape, "--lengths", ",".join(args.lengths), "--reps", str(args.reps)]
         done = subprocess.run(cmd, env=env, timeout=args.timeout)
         if done.returncode != 0:
-            return {"variant": variant, "error": f"worker exited with {done.returncode}"}
+            return {"variant": variant, "shape": shape, "error": f"worker exited with {done.returncode}"}
         return json.loads(Path(out.name).read_text())
 
 
@@ -257,45 +274,52 @@ def fmt(cell: dict | None) -> str:
     return f"{cell['ms']:.2f} ({cell['gemm']:.2f} / {cell['gdn']:.2f} / {cell['other']:.2f})"
 
 
-def markdown(columns: list[dict], lengths: list[int], meta: dict) -> str:
+def markdown(columns: list[dict], shapes: list[str], rows: list[str], meta: dict) -> str:
     lines = [
         f"GPU: {meta['gpu']}; date: {meta['date']}; torch {meta['torch']}, tilelang {meta['tilelang']}, "
         f"transformers {meta['transformers']}, kernels {meta['kernels']}, fla {meta['fla']}, "
         f"flash-qla {meta['flash_qla']}; command: `{meta['command']}`",
         "",
         "Each cell: layer ms (profiled GPU ms of GEMMs / GDN operator / everything else).",
-        "",
-        "| column | " + " | ".join(f"T={t} {mode}" for t in lengths for mode in ("fwd", "fwd+bwd")) + " |",
-        "|---|" + "---|" * (2 * len(lengths)),
     ]
-    for col in columns:
-        rows = {r["tokens"]: r for r in col.get("rows", [])}
-        cells = [fmt(rows.get(t, {}).get(mode)) if "error" not in col else col["error"]
-                 for t in lengths for mode in ("fwd", "fwd+bwd")]
-        lines.append(f"| {col['variant']} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("Largest |difference| of the layer's last outputs from the first column's (same weights and input):")
-    first = {r["tokens"]: r["output_sample"] for r in columns[0].get("rows", [])}
-    for col in columns[1:]:
-        for r in col.get("rows", []):
-            if r["tokens"] in first:
-                diff = (torch.tensor(r["output_sample"]) - torch.tensor(first[r["tokens"]])).abs().max().item()
-                lines.append(f"* {col['variant']}, T={r['tokens']}: {diff:.3e}")
-    lines.append("")
-    lines.append("GDN kernels seen per column (ms in one profiled call):")
-    for col in columns:
-        for r in col.get("rows", []):
-            for mode in ("fwd", "fwd+bwd"):
-                kernels = r.get(mode, {}).get("gdn_kernels")
-                if kernels:
-                    top = ", ".join(f"{k} {v:.2f}" for k, v in list(kernels.items())[:4])
-                    lines.append(f"* {col['variant']}, T={r['tokens']} {mode}: {top}")
+    label = lambda spec: f"T={spec}" if "x" not in spec else spec  # noqa: E731
+    for shape in shapes:
+        shown = [c for c in columns if c["shape"] == shape]
+        lines += ["", f"{shape} ({SHAPES[shape]['hidden_size']} hidden, "
+                      f"({SHAPES[shape]['linear_num_key_heads']},{SHAPES[shape]['linear_num_value_heads']}) heads):", "",
+                  "| column | " + " | ".join(f"{label(r)} {mode}" for r in rows for mode in ("fwd", "fwd+bwd")) + " |",
+                  "|---|" + "---|" * (2 * len(rows))]
+        for col in shown:
+            measured = {r["row"]: r for r in col.get("rows", [])}
+            cells = [fmt(measured.get(r, {}).get(mode)) if "error" not in col else col["error"]
+                     for r in rows for mode in ("fwd", "fwd+bwd")]
+            lines.append(f"| {col['variant']} | " + " | ".join(cells) + " |")
+        if not shown:
+            continue
+        lines += ["", "Largest |difference| of the layer's last outputs from the first column's (same weights and "
+                      "input):"]
+        first = {r["row"]: r.get("output_sample") for r in shown[0].get("rows", [])}
+        for col in shown[1:]:
+            for r in col.get("rows", []):
+                if first.get(r["row"]) and r.get("output_sample"):
+                    diff = (torch.tensor(r["output_sample"]) - torch.tensor(first[r["row"]])).abs().max().item()
+                    lines.append(f"* {col['variant']}, {label(r['row'])}: {diff:.3e}")
+        lines += ["", "GDN kernels seen per column (ms in one profiled call):"]
+        for col in shown:
+            for r in col.get("rows", []):
+                for mode in ("fwd", "fwd+bwd"):
+                    kernels = r.get(mode, {}).get("gdn_kernels")
+                    if kernels:
+                        top = ", ".join(f"{k} {v:.2f}" for k, v in list(kernels.items())[:4])
+                        lines.append(f"* {col['variant']}, {label(r['row'])} {mode}: {top}")
     return "\n".join(lines) + "\n"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="8192,32768", type=lambda s: [int(t) for t in s.split(",")])
+    p.add_argument("--shapes", default=",".join(SHAPES), type=lambda s: s.split(","), help=f"some of {list(SHAPES)}")
+    p.add_argument("--lengths", default="8192,32768,4x8192", type=lambda s: s.split(","),
+                   help="comma-separated rows: T (one sequence) or NxT (N packed sequences of T tokens)")
     p.add_argument("--columns", default=",".join(VARIANTS), type=lambda s: s.split(","))
     p.add_argument("--device", default="cuda")
     p.add_argument("--reps", type=int, default=10)
@@ -304,16 +328,20 @@ def main():
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    for option, given, known in (("--columns", args.columns, VARIANTS), ("--shapes", args.shapes, SHAPES)):
+        if set(given) - set(known):
+            raise SystemExit(f"{option}: unknown {sorted(set(given) - set(known))}; expected some of {list(known)}")
+    for spec in args.lengths:
+        if not re.fullmatch(r"(\d+x)?\d+", spec):
+            raise SystemExit(f"--lengths: {spec!r} is neither T nor NxT")
     if args.worker:
-        args.json.write_text(json.dumps(run_worker(args.worker, args.lengths, args.device, args.reps)))
+        args.json.write_text(json.dumps(run_worker(args.worker, args.shapes[0], args.lengths, args.device,
+                                                   args.reps)))
         return
-    unknown = set(args.columns) - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"--columns: unknown {sorted(unknown)}; expected some of {list(VARIANTS)}")
-    columns = [run_column(variant, args) for variant in args.columns]
+    columns = [run_column(variant, shape, args) for shape in args.shapes for variant in args.columns]
     meta = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
             "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]), **versions()}
-    report = markdown(columns, args.lengths, meta)
+    report = markdown(columns, args.shapes, args.lengths, meta)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "layer.json").write_text(json.dumps({"meta": meta, "columns": columns}, indent=1))
     (args.out / "layer.md").write_text(report)

@@ -39,3 +39,21 @@ def test_candidates_are_named_and_kept_apart():
     assert one.__module__ != two.__module__ and one.__module__.startswith("flash_qla_tl_one")
     with pytest.raises(argparse.ArgumentTypeError, match="identifier"):
         bench_forward.parse_candidate("not a name=/tmp/c")
+
+
+def test_layer_bench_runs_both_shapes_and_packed_rows(tmp_path):
+    """``bench_layer.py`` off the GPU: the kernelized layer at each published shape on one sequence and on
+    packed ones (``NxT``), forward and forward + backward, reported per shape in ``layer.json``."""
+    import json
+    import subprocess
+
+    import bench_layer
+
+    subprocess.run([sys.executable, bench_layer.__file__, "--device", "cpu", "--columns", "flash-qla-tl",
+                    "--lengths", "70,2x35", "--reps", "1", "--out", tmp_path], check=True, capture_output=True)
+    columns = json.loads((tmp_path / "layer.json").read_text())["columns"]
+    assert [c["shape"] for c in columns] == list(bench_layer.SHAPES)
+    for column in columns:
+        assert [(r["row"], r["tokens"]) for r in column["rows"]] == [("70", 70), ("2x35", 70)]
+        assert all(r[mode] == {"ran": True} for r in column["rows"] for mode in ("fwd", "fwd+bwd")), column
+    assert "| column | T=70 fwd | T=70 fwd+bwd | 2x35 fwd | 2x35 fwd+bwd |" in (tmp_path / "layer.md").read_text()
