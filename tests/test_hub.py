@@ -232,6 +232,20 @@ def test_ops_match_the_library_in_values_and_gradients(flash_qla, op_name, packe
         assert rel_rms(ours, library) < 1e-5
 
 
+def test_traced_calls_take_the_ops(flash_qla):
+    """make_fx (non-strict tracing: a dispatch mode, no compiling flag) records the custom ops, not the
+    library's PyTorch that a plain eager call runs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = make_inputs(length=9, hqk=1, hv=2, kdim=16, vdim=16, dtype=torch.float32, initial_state=True)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):
+        fn = getattr(flash_qla, name)
+        graph = make_fx(lambda *a, fn=fn: fn(*a[:5], initial_state=a[5], output_final_state=True))(*args).graph
+        called = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+        assert any(c.endswith(f".{name}.default") for c in called), called
+
+
 def test_ops_pass_opcheck(flash_qla):
     ops = sys.modules[f"{flash_qla.__name__}.ops"]
     x = make_inputs(length=20, hqk=2, hv=4, kdim=16, vdim=8, dtype=torch.float32, seqs=[7, 13], initial_state=True)
