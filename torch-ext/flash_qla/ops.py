@@ -4,7 +4,7 @@ Only a traced call needs the ops.  A plain eager call (`plain_eager`) goes to th
 vendored library's public function, which runs the same kernels and the same
 backward through its own `autograd.Function`: the first call of any custom op
 imports `torch._dynamo` (torch wraps op bodies in `torch._disable_dynamo`), which
-took 4.8-6.2 s of a shipped build's first forward in a fresh process (H100/H200,
+took about 5-6 s of a shipped build's first forward in a fresh process (H100/H200,
 2026-11-27), against a fraction of a second for the kernels themselves.
 
 Each operator is a forward op and a backward op under this build's own namespace
