@@ -47,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flash_qla_tl  # noqa: E402
 from flash_qla_tl import reference  # noqa: E402
+from flash_qla_tl.programs import parse_head_configs  # noqa: E402
 from timing import CALLS_PER_GRAPH, geomean, graph_ms, host_us, versions  # noqa: E402
 
 HEADS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (16, 16), (32, 32)]
@@ -286,7 +287,7 @@ def cli(doc: str, tokens: list | None = None) -> argparse.Namespace:
 
 
 def parse_heads(arg: str | None, default: list) -> list:
-    return default if not arg else [tuple(int(x) for x in h.split("x")) for h in arg.split(",")]
+    return default if not arg else parse_head_configs(arg)
 
 
 def single_problem(doc: str, heads: str, lengths: str, add_options=None):

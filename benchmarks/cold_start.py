@@ -138,8 +138,9 @@ def main():
     p.add_argument("--heads", default="16x32,16x64", help="with --shipped: comma-separated HqkxHv")
     args = p.parse_args()
     if args.shipped:
-        for heads in args.heads.split(","):
-            hqk, hv = map(int, heads.split("x"))
+        from flash_qla_tl.programs import parse_head_configs
+
+        for hqk, hv in parse_head_configs(args.heads):
             print(f"shipped ({hqk},{hv}): {json.dumps(shipped_first_calls(args.shipped.resolve(), hqk, hv))}")
         return
     hqk, hv = 8, 24  # a head config no test or benchmark compiles

@@ -36,6 +36,11 @@ QWEN_HEAD_CONFIGS = tuple(sorted({(hqk // tp, hv // tp) for hqk, hv in QWEN_MODE
                                  reverse=True))
 
 
+def parse_head_configs(text: str) -> list[tuple[int, int]]:
+    """The scripts' ``--heads``: ``"16x32,2x8"`` -> ``[(16, 32), (2, 8)]``."""
+    return [tuple(int(n) for n in heads.split("x")) for heads in text.split(",")]
+
+
 def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all_flags: bool = True,
                          kernels=KINDS, sms=SHIPPED_SMS) -> list[tuple]:
     """Every ``(factory, config)`` the launchers can ask for at one head config and dtype.

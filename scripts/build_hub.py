@@ -215,10 +215,9 @@ def main() -> None:
         return
     if args.compiled:
         sys.path.insert(0, str(ROOT))
-        from flash_qla_tl.programs import QWEN_HEAD_CONFIGS
+        from flash_qla_tl.programs import QWEN_HEAD_CONFIGS, parse_head_configs
 
-        heads = ([tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")] if args.heads
-                 else list(QWEN_HEAD_CONFIGS))
+        heads = parse_head_configs(args.heads) if args.heads else list(QWEN_HEAD_CONFIGS)
         head_configs = [(hqk, hv, dtype) for hqk, hv in heads for dtype in args.dtypes.split(",")]
         variants = build_compiled(config, package, library, args.out, head_configs, args.jobs)
     else:

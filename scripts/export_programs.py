@@ -21,6 +21,7 @@ compiles each program with TileLang first (its disk cache is reused).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -38,7 +39,7 @@ from flash_qla_tl.kernels.compile import (  # noqa: E402
     HOPPER_TARGET, compile_with_tilelang, pass_configs_of, program_key,
 )
 from flash_qla_tl.kernels.shipped import INDEX_NAME, index_entry_name  # noqa: E402
-from flash_qla_tl.programs import QWEN_HEAD_CONFIGS, SHIPPED_SMS, head_config_programs  # noqa: E402
+from flash_qla_tl.programs import QWEN_HEAD_CONFIGS, SHIPPED_SMS, head_config_programs, parse_head_configs  # noqa: E402
 
 LAUNCHER = Path(__file__).resolve().parent / "program_launcher.c"  # and its .h
 LIBRARY_BIN = "__tvm_ffi__library_bin"
@@ -225,9 +226,21 @@ def include_dirs() -> list[str]:
             str(Path(cuda_home) / "include")]
 
 
+def compile_flags() -> list[str]:
+    return ["-O2", "-fPIC", "-fvisibility=hidden", f"-I{LAUNCHER.parent}", *(f"-I{d}" for d in include_dirs())]
+
+
+@functools.lru_cache(maxsize=None)
+def launcher_object() -> Path:
+    """program_launcher.c compiled once per process (every library links the same object)."""
+    out = Path(tempfile.mkdtemp(prefix="fqla-launcher-")) / "launcher.o"
+    subprocess.run(["gcc", *compile_flags(), "-c", LAUNCHER, "-o", out], check=True)
+    return out
+
+
 def build_library(host_source: str, cubin: bytes, kernels: list[dict], out: Path) -> None:
-    """Compile host code, kernel table, embedded cubin and the launcher into ``out`` (gcc)."""
-    flags = ["-O2", "-fPIC", "-fvisibility=hidden", f"-I{LAUNCHER.parent}", *(f"-I{d}" for d in include_dirs())]
+    """Compile host code, kernel table and embedded cubin, and link them with the launcher into ``out`` (gcc)."""
+    flags = compile_flags()
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         (work / "host.c").write_text(host_source)
@@ -242,10 +255,9 @@ def build_library(host_source: str, cubin: bytes, kernels: list[dict], out: Path
                         "-c", work / "host.c", "-o", work / "host.o"], check=True)
         for name in ("kernels.c", "cubin.s"):
             subprocess.run(["gcc", *flags, "-c", work / name, "-o", work / f"{name}.o"], check=True)
-        subprocess.run(["gcc", *flags, "-c", LAUNCHER, "-o", work / "launcher.o"], check=True)
         # -s and one segment for code and data: no static symbol table, no page of padding between segments
         subprocess.run(["gcc", "-shared", "-s", "-Wl,-z,noseparate-code", "-o", out, work / "host.o",
-                        work / "kernels.c.o", work / "cubin.s.o", work / "launcher.o", "-Wl,--no-as-needed", "-ldl",
+                        work / "kernels.c.o", work / "cubin.s.o", launcher_object(), "-Wl,--no-as-needed", "-ldl",
                         "-lpthread"], check=True)
 
 
@@ -302,7 +314,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True, help="directory for the libraries and their index")
     p.add_argument("--jobs", type=int, default=1, help="compiling processes")
     args = p.parse_args()
-    heads = [tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")]
+    heads = parse_head_configs(args.heads)
     configs = [(hqk, hv, dtype) for (hqk, hv), dtype in itertools.product(heads, args.dtypes.split(","))]
     start = time.perf_counter()
     index = export(configs, args.out, args.jobs)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flash_qla_tl.kernels.compile import compile_program  # noqa: E402
-from flash_qla_tl.programs import QWEN_HEAD_CONFIGS, SHIPPED_SMS, head_config_programs  # noqa: E402
+from flash_qla_tl.programs import QWEN_HEAD_CONFIGS, SHIPPED_SMS, head_config_programs, parse_head_configs  # noqa: E402
 
 
 def compile_one(task, record=False):
@@ -64,7 +64,7 @@ def main():
     p.add_argument("--jobs", type=int, default=1, help="compiling processes")
     p.add_argument("--cache-list", type=Path, help="append the programs' cache directories to this file")
     args = p.parse_args()
-    heads = [tuple(int(x) for x in h.split("x")) for h in args.heads.split(",")]
+    heads = parse_head_configs(args.heads)
     widths = [int(b) for b in args.block_v.split(",")]
     tasks = list(dict.fromkeys(t for (hqk, hv), dtype in itertools.product(heads, args.dtypes.split(","))
                                for t in head_config_programs(hqk, hv, dtype, widths, args.all_flags,

@@ -235,14 +235,8 @@ def test_gpu_compiled_package_runs_without_tilelang_or_nvcc(tmp_path):
 
 def sections(image: bytes) -> dict[str, bytes]:
     """A cubin's sections by name: their file contents (none for NOBITS)."""
-    import struct
-
-    shoff, = struct.unpack_from("<Q", image, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", image, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)]
-    names = headers[shstrndx][4]
-    return {image[names + h[0]:image.index(b"\0", names + h[0])].decode():
-            b"" if h[1] == 8 else image[h[4]:h[4] + h[5]] for h in headers}
+    headers, names = export_programs.section_headers(image)
+    return {name: b"" if h[1] == 8 else image[h[4]:h[4] + h[5]] for h, name in zip(headers, names)}
 
 
 def test_debug_sections_are_cut_and_nothing_else_changes(tmp_path):

@@ -3,9 +3,10 @@
 Only a traced call needs the ops.  A plain eager call (`plain_eager`) goes to the
 vendored library's public function, which runs the same kernels and the same
 backward through its own `autograd.Function`: the first call of any custom op
-imports `torch._dynamo` (torch wraps op bodies in `torch._disable_dynamo`), which
-took about 5-6 s of a shipped build's first forward in a fresh process (H100/H200,
-2026-11-27), against a fraction of a second for the kernels themselves.
+imports `torch._dynamo` (torch wraps op bodies in `torch._disable_dynamo`): a
+shipped build's first forward in a fresh process took 5.4-6.4 s with the ops and
+0.56-0.71 s without (BENCHMARKS.md "Session 17": H100/H200, 2026-11-27,
+`benchmarks/cold_start.py --shipped`).
 
 Each operator is a forward op and a backward op under this build's own namespace
 (`_ops.add_op_namespace_prefix`, generated at build time), with fake (meta)
