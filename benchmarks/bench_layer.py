@@ -168,21 +168,20 @@ def gpu_time_split(prof) -> dict:
         return False
 
     split = {"gemm": 0.0, "gdn": 0.0, "other": 0.0}
-    gdn_kernels = {}
+    seen = {"gdn": {}, "other": {}}  # kernel name -> ms, and the CPU ops that launched them ("other")
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
             continue
         in_gdn = inside_operator(event)
         for kernel in event.kernels:
             ms = kernel.duration / 1e3
-            if in_gdn:
-                split["gdn"] += ms
-                gdn_kernels[kernel.name[:60]] = gdn_kernels.get(kernel.name[:60], 0.0) + ms
-            elif GEMM_KERNEL.search(kernel.name):
-                split["gemm"] += ms
-            else:
-                split["other"] += ms
-    split["gdn_kernels"] = dict(sorted(gdn_kernels.items(), key=lambda kv: -kv[1])[:8])
+            part = "gdn" if in_gdn else "gemm" if GEMM_KERNEL.search(kernel.name) else "other"
+            split[part] += ms
+            if part != "gemm":
+                name = kernel.name[:60] if in_gdn else f"{event.name} > {kernel.name[:40]}"
+                seen[part][name] = seen[part].get(name, 0.0) + ms
+    for part, kernels in seen.items():
+        split[f"{part}_kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:8])
     return split
 
 
@@ -304,14 +303,15 @@ def markdown(columns: list[dict], shapes: list[str], rows: list[str], meta: dict
                 if first.get(r["row"]) and r.get("output_sample"):
                     diff = (torch.tensor(r["output_sample"]) - torch.tensor(first[r["row"]])).abs().max().item()
                     lines.append(f"* {col['variant']}, {label(r['row'])}: {diff:.3e}")
-        lines += ["", "GDN kernels seen per column (ms in one profiled call):"]
-        for col in shown:
-            for r in col.get("rows", []):
-                for mode in ("fwd", "fwd+bwd"):
-                    kernels = r.get(mode, {}).get("gdn_kernels")
-                    if kernels:
-                        top = ", ".join(f"{k} {v:.2f}" for k, v in list(kernels.items())[:4])
-                        lines.append(f"* {col['variant']}, {label(r['row'])} {mode}: {top}")
+        for part, title in (("gdn", "GDN kernels"), ("other", "Everything else (launching op > kernel)")):
+            lines += ["", f"{title} seen per column (ms in one profiled call):"]
+            for col in shown:
+                for r in col.get("rows", []):
+                    for mode in ("fwd", "fwd+bwd"):
+                        kernels = r.get(mode, {}).get(f"{part}_kernels")
+                        if kernels:
+                            top = ", ".join(f"{k} {v:.2f}" for k, v in list(kernels.items())[:4 if part == "gdn" else 8])
+                            lines.append(f"* {col['variant']}, {label(r['row'])} {mode}: {top}")
     return "\n".join(lines) + "\n"
 
 

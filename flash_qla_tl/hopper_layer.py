@@ -5,6 +5,10 @@
   window back, a grouped conv1d, SiLU: four launches in torch.profiler's trace of
   Transformers' layer, BENCHMARKS.md "Decode") with one pass over the state,
   updated in place;
+* ``kernels/causal_conv_prefill.py``, the convolution over whole sequences,
+  packed ones too: reads the projection's output ``[B, T, C]`` as it lies and
+  writes the same layout, where the PyTorch path transposes, pads, convolves,
+  activates and transposes back;
 * ``kernels/gated_rms_norm.py``, the gated RMSNorm after the operator:
   replaces the module's dozen elementwise launches (same trace) with one.
 
@@ -71,6 +75,97 @@ def causal_conv1d_step(x, conv_state, weight, bias=None, activation=None) -> tor
     no_bias = placeholder((channels,), x.dtype, x.device)
     kernel(x[..., 0], conv_state, weight.contiguous(), no_bias if bias is None else bias, y)
     return y.unsqueeze(-1)
+
+
+def conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens=None) -> str | None:
+    """Why the prefill kernel cannot convolve ``x [B, C, T]``, or None: x must be the transpose of a contiguous
+    ``[B, T, C]`` (the projection's output, as the layer holds it), C a multiple of 8, ``weight [C, W]`` and
+    ``bias [C]`` (or None) of x's dtype; packed sequences (``cu_seqlens``) in a batch of one."""
+    from .kernels.causal_conv_prefill import LANE_CHANNELS, build_causal_conv_prefill
+
+    reason = device_unsupported_reason(x)
+    if reason is not None:
+        return reason
+    if x.dim() != 3 or not x.transpose(1, 2).is_contiguous() or x.shape[1] % LANE_CHANNELS:
+        return (f"x [B, C, T] laid out as [B, T, C] with C a multiple of {LANE_CHANNELS}, got shape "
+                f"{tuple(x.shape)}, strides {x.stride()}")
+    if cu_seqlens is not None and x.shape[0] != 1:
+        return f"packed sequences in a batch of one, got a batch of {x.shape[0]}"
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or activation not in ACTIVATIONS:
+        return f"weight and bias of x's dtype and an activation of {ACTIVATIONS}, got {weight.dtype}, {activation!r}"
+    return _program_unavailable(build_causal_conv_prefill,
+                                *conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None))
+
+
+def conv_prefill_config(x, weight, bias, activation, packed: bool) -> tuple:
+    """The prefill conv's program config for these inputs."""
+    return x.shape[1], weight.shape[-1], KERNEL_DTYPES[x.dtype], bias is not None, activation is not None, packed
+
+
+def sequence_starts(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """The first row of each of ``length`` packed tokens' sequence (``cu_seqlens [N + 1]``), int32."""
+    positions = torch.arange(length, device=cu_seqlens.device)
+    offsets = cu_seqlens.to(positions.dtype)
+    return offsets[torch.searchsorted(offsets, positions, right=True) - 1].to(torch.int32)
+
+
+def _conv_prefill_arguments(x, weight, bias, cu_seqlens) -> tuple:
+    """The kernels' leading arguments: x as ``[B, T, C]`` rows, ``seq_start`` (a placeholder unless packed),
+    the weight, the bias (a placeholder where there is none)."""
+    starts = sequence_starts(cu_seqlens.to(x.device), x.shape[2]) if cu_seqlens is not None else \
+        placeholder((1,), torch.int32, x.device)
+    bias = placeholder((x.shape[1],), x.dtype, x.device) if bias is None else bias
+    return x.transpose(1, 2), starts, weight.contiguous(), bias
+
+
+def causal_conv1d_prefill(x, weight, bias=None, activation=None, cu_seqlens=None) -> torch.Tensor:
+    """``act(causal conv1d(x))`` over whole sequences, each from zeros, without autograd: ``x [B, C, T]`` as
+    :func:`conv_prefill_unsupported_reason` accepts it; ``cu_seqlens [N + 1]`` marks packed sequences (B = 1).
+    Returns ``[B, C, T]`` in x's dtype, laid out as ``[B, T, C]`` like x."""
+    from .kernels.causal_conv_prefill import build_causal_conv_prefill
+    from .kernels.compile import compile_program
+
+    y = torch.empty_like(x.transpose(1, 2))
+    if x.numel():
+        config = conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None)
+        compile_program(build_causal_conv_prefill, *config)(*_conv_prefill_arguments(x, weight, bias, cu_seqlens), y)
+    return y.transpose(1, 2)
+
+
+def causal_conv1d_prefill_backward(x, weight, bias, activation, cu_seqlens, dy) -> tuple:
+    """The gradients of :func:`causal_conv1d_prefill` for ``dy [B, C, T]`` (any layout): ``(dx [B, C, T]`` laid out
+    as x, ``dweight [C, W]``, ``dbias [C]`` or None), each in its input's dtype."""
+    from .kernels.causal_conv_prefill import BLOCK_ROWS, build_causal_conv_prefill_backward
+    from .kernels.compile import compile_program
+
+    batch, channels, length = x.shape
+    blocks = -(-length // BLOCK_ROWS)
+    dx = torch.empty_like(x.transpose(1, 2))
+    dweight_part = torch.zeros(batch, blocks, channels, weight.shape[-1], dtype=torch.float32, device=x.device)
+    dbias_part = torch.zeros(batch, blocks, channels, dtype=torch.float32, device=x.device)
+    if x.numel():
+        config = conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None)
+        compile_program(build_causal_conv_prefill_backward, *config)(
+            *_conv_prefill_arguments(x, weight, bias, cu_seqlens), dy.transpose(1, 2).contiguous(), dx,
+            dweight_part, dbias_part)
+    dbias = None if bias is None else dbias_part.sum((0, 1)).to(bias.dtype)
+    return dx.transpose(1, 2), dweight_part.sum((0, 1)).to(weight.dtype), dbias
+
+
+class CausalConvPrefill(torch.autograd.Function):
+    """:func:`causal_conv1d_prefill` with its backward (x, weight and bias differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, cu_seqlens):
+        ctx.save_for_backward(x, weight, bias, cu_seqlens)
+        ctx.activation = activation
+        return causal_conv1d_prefill(x, weight, bias, activation, cu_seqlens)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, cu_seqlens = ctx.saved_tensors
+        dx, dweight, dbias = causal_conv1d_prefill_backward(x, weight, bias, ctx.activation, cu_seqlens, dy)
+        return dx, dweight, dbias, None, None
 
 
 def norm_unsupported_reason(x, z, weight) -> str | None:

@@ -12,6 +12,7 @@ import itertools
 
 from .hopper_backward import SCORES_WIDTHS, WALK_WIDEST
 from .hopper_forward import BLOCK_WIDTHS, StatePassPlan, value_correction
+from .kernels.causal_conv_prefill import build_causal_conv_prefill, build_causal_conv_prefill_backward
 from .kernels.causal_conv_step import build_causal_conv_step
 from .kernels.chunk_forward import build_chunk_forward
 from .kernels.chunk_local_gradients import build_chunk_local_gradients
@@ -53,6 +54,7 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
     against the planners' choices.
     """
     flags = list(itertools.product([True, False], repeat=2)) if all_flags else [(True, True)]
+    conv_channels = (2 * hqk + hv) * 128  # the layer's conv runs over q, k and v's channels
     out = []
     if "decode" in kernels:
         # g and beta as Transformers passes them (fp32, bf16) and both fp32; the layer's step (gates in kernel,
@@ -64,11 +66,14 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
                 for (g, beta, in_kernel), b, l2norm, (h0, ht), varlen in itertools.product(
                     gates, DECODE_WIDTHS, [True, False], flags, [False, True])
                 if not in_kernel or (l2norm and not varlen)]
-        # the layer's conv step (Qwen3.5's conv1d has no bias) and gated RMSNorm
-        out += [(build_causal_conv_step, ((2 * hqk + hv) * 128, 4, dtype, False, True)),
-                (build_gated_rms_norm, (128, dtype))]
+        # the layer's glue at inference (Qwen3.5's conv1d has no bias): the conv's step and the gated RMSNorm
+        out += [(build_causal_conv_step, (conv_channels, 4, dtype, False, True)), (build_gated_rms_norm, (128, dtype))]
     if "forward" not in kernels and "backward" not in kernels:
         return out
+    # the layer's conv over whole sequences (dense and packed), and its backward
+    conv_builds = [build_causal_conv_prefill] + ([build_causal_conv_prefill_backward] if "backward" in kernels else [])
+    out += [(build, (conv_channels, 4, dtype, False, True, packed))
+            for build, packed in itertools.product(conv_builds, (False, True))]
     # chunk_prep: (store_inverse, store_keys) of the forward's plans and of the backward, each with and
     # without the keys' norms (the l2norm)
     preps = [(False, False), (False, True)] + ([(True, True)] if "backward" in kernels else [])

@@ -29,6 +29,17 @@ for step in $steps; do
                   "--heads 16x64,16x48,16x32,16x16,8x32,2x2,1x2,2x6,1x1,4x16,8x16,4x8"; do
         python scripts/precompile.py $args --kernels forward,backward --jobs 15 2>&1 | grep -v INFO | tail -1
       done ;;
+    warm)  # WARM_HEADS' programs (every flag, forward and backward) side by side before a benchmark of them
+      python scripts/precompile.py --heads ${WARM_HEADS:?HqkxHv,...} --all-flags --kernels forward,backward --jobs 15 \
+        2>&1 | grep -v INFO | tail -1 ;;
+    layertests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_layer.py \
+        2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -30 ;;
+    hubtests) # the hub package's layer, ops and models on the GPU (the tiny models' programs first)
+      python scripts/precompile.py --heads 2x4 --all-flags --kernels forward,backward,decode --jobs 15 2>&1 \
+        | grep -v INFO | tail -1
+      timeout 540 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hub.py 2>&1 \
+        | tee "$OUT/gpu-tests-hub.log" | tail -30 ;;
+    conv)  python benchmarks/bench_conv.py --out "$OUT/conv" 2>&1 | grep -v INFO | tee "$OUT/conv.log" | tail -20 ;;
     decode) # the decoding kernel: its programs side by side, its GPU tests, then bench_decode.py
       python scripts/precompile.py --heads 16x32,16x64,2x8 --kernels decode --jobs 15 2>&1 | grep -v INFO | tail -1
       python scripts/precompile.py --heads 2x4 --all-flags --kernels forward,decode --jobs 15 2>&1 \
@@ -94,7 +105,8 @@ for step in $steps; do
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
     bwdquick) python benchmarks/bench_backward.py --quick --out "$OUT/bench" 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -12 ;;
-    layer) python benchmarks/bench_layer.py --out "$OUT/layer" 2>&1 | grep -v "INFO\|Warning" | tee "$OUT/layer.log" | tail -30 ;;
+    layer) # LAYER_ARGS: more options of bench_layer.py (--shapes qwen3.5-9b); warm the shapes' heads first (WARM_HEADS)
+      python benchmarks/bench_layer.py --out "$OUT/layer" ${LAYER_ARGS:-} 2>&1 | grep -v "INFO\|Warning" | tee "$OUT/layer.log" | tail -30 ;;
     host)  python benchmarks/host_overhead.py 2>&1 | grep -v INFO | tee "$OUT/host.log" | head -45 ;;
     bwdhost)
       for cfg in ${BWD_HOST:-2x4:8192x1:autograd 2x4:8192x1:direct}; do  # HqkxHv:LENxCOUNT:direct|autograd ...

@@ -1,6 +1,6 @@
 """Every Hopper kernel once on a small varlen problem with edge lengths, for compute-sanitizer.
 
-    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py [--forward-only | --chunked-only | --decode-only]
+    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py [--forward-only | --chunked-only | --decode-only | --layer-only]
 
 Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:
@@ -12,12 +12,14 @@ in segments of their own, and the backward in the segments of forwards that kept
 (narrow and whole-head); then
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
 its state once in a new tensor and once updated in place; and the layer's
+conv over packed sequences (lengths 1, 0, 70, 3, 300, 2: two programs' rows) with its backward, its
 conv step and gated RMSNorm (``hopper_layer.py``).  The
 outputs and the gradients are checked against the float64 reference, so a sanitizer run that
 disturbs the kernels' timing also shows whether the results moved.
 """
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -51,6 +53,30 @@ def check_decode(hqk, hv):
             print(f"({hqk},{hv}) decode block_v {block_v}{' in place' if in_place else ''}: "
                   f"relative RMS o {errors[0]:.2e}, state {errors[1]:.2e}", flush=True)
             assert max(errors) <= TOL, errors
+
+
+def check_conv_prefill():
+    """The layer's conv over packed sequences (an empty and one-token ones; 384 channels, with a bias), forward
+    and backward, against float64 autograd."""
+    lengths = [1, 0, 70, 3, 300, 2]
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda")
+    x = torch.randn(1, sum(lengths), 384, device="cuda").bfloat16().transpose(1, 2).requires_grad_()
+    weight, bias = (torch.randn(*s, device="cuda").bfloat16().requires_grad_() for s in ((384, 4), (384,)))
+    dy = torch.randn(1, 384, sum(lengths), device="cuda").bfloat16()
+    y = hopper_layer.CausalConvPrefill.apply(x, weight, bias, "silu", cu_seqlens)
+    got = (y, *torch.autograd.grad(y, (x, weight, bias), dy))
+    leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    starts = hopper_layer.sequence_starts(cu_seqlens, sum(lengths))
+    position = torch.arange(sum(lengths), device="cuda") - starts
+    want = leaves[2][:, None]
+    for j in range(4):  # tap j of token t reads token t - 3 + j, within t's sequence
+        want = want + leaves[1][:, j, None] * torch.nn.functional.pad(leaves[0], (3 - j, 0))[..., :sum(lengths)] * (
+            position >= 3 - j)
+    want = torch.nn.functional.silu(want)
+    want = (want, *torch.autograd.grad(want, leaves, dy.double()))
+    errors = [rel_rms(a, b) for a, b in zip(got, want)]
+    print("conv prefill: relative RMS y, dx, dweight, dbias " + ", ".join(f"{e:.2e}" for e in errors))
+    assert max(errors) <= TOL, errors
 
 
 def check_layer_glue():
@@ -87,10 +113,14 @@ def main():
     p.add_argument("--forward-only", action="store_true", help="the forward kernels only")
     p.add_argument("--chunked-only", action="store_true", help="the forward and backward kernels only")
     p.add_argument("--decode-only", action="store_true", help="the decoding kernels only")
+    p.add_argument("--layer-only", action="store_true", help="the layer's glue kernels only")
     args = p.parse_args()
     decode = not (args.forward_only or args.chunked_only)
     if decode:
+        check_conv_prefill()
         check_layer_glue()
+    if args.layer_only:
+        return
     for hqk, hv in ((2, 8), (2, 6)):
         if decode:
             check_decode(hqk, hv)

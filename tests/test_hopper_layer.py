@@ -1,11 +1,14 @@
-"""The Qwen3.5 layer's glue kernels (conv step, gated RMSNorm) against the PyTorch they replace."""
+"""The Qwen3.5 layer's glue kernels (conv prefill and step, gated RMSNorm) against the PyTorch they replace."""
+
+import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from flash_qla_tl.hopper_layer import (
-    causal_conv1d_step, conv_step_unsupported_reason, gated_rms_norm, norm_unsupported_reason,
+    CausalConvPrefill, causal_conv1d_prefill, causal_conv1d_step, conv_prefill_unsupported_reason, conv_step_unsupported_reason,
+    gated_rms_norm, norm_unsupported_reason, sequence_starts,
 )
 from helpers import HOPPER, rel_rms
 
@@ -38,6 +41,60 @@ def test_conv_step_matches_the_update(batch, channels, dtype, has_bias, activati
     assert torch.equal(conv_state, want_state.to(dtype))  # the window, moved exactly
 
 
+def torch_conv(x, weight, bias, activation, cu_seqlens):
+    """The causal conv in float64, each packed sequence from zeros: one masked shift per tap."""
+    width, length = weight.shape[-1], x.shape[-1]
+    x = x.double()
+    position = torch.arange(length, device=x.device)
+    if cu_seqlens is not None:
+        position = position - sequence_starts(cu_seqlens, length)
+    out = 0 if bias is None else bias.double()[:, None]
+    for j in range(width):  # tap j of token t reads token t - (W - 1) + j
+        shift = width - 1 - j
+        out = out + weight.double()[:, j, None] * F.pad(x, (shift, 0))[..., :length] * (position >= shift)
+    return F.silu(out) if activation else out
+
+
+@pytest.mark.parametrize("batch,lengths,channels,dtype,has_bias,activation", [
+    (2, [100], 8192, torch.bfloat16, False, "silu"),  # Qwen3.5-9B's channels; T not a multiple of 32
+    (1, [1, 0, 70, 3, 129, 2], 1536, torch.bfloat16, False, "silu"),  # packed, empty and short sequences
+    (3, [33], 256, torch.float16, True, None),
+    (1, [5], 136, torch.bfloat16, True, "silu"),  # fewer tokens than a lane's rows; lanes past C
+])
+def test_conv_prefill_matches_the_conv(batch, lengths, channels, dtype, has_bias, activation):
+    gen = torch.Generator("cuda").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda") if len(lengths) > 1 else None
+    # x as the layer passes it: the [B, C, T] transpose of the projection's [B, T, C] output
+    x = rnd(batch, sum(lengths), channels).to(dtype).transpose(1, 2)
+    weight, bias = rnd(channels, 4).to(dtype), rnd(channels).to(dtype) if has_bias else None
+    assert conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens) is None
+    y = causal_conv1d_prefill(x, weight, bias, activation, cu_seqlens)
+    assert y.shape == x.shape and y.dtype == dtype and y.transpose(1, 2).is_contiguous()
+    assert rel_rms(y, torch_conv(x, weight, bias, activation, cu_seqlens)) < 4e-3
+
+
+@pytest.mark.parametrize("batch,lengths,channels,dtype,has_bias,activation", [
+    (2, [100], 8192, torch.bfloat16, False, "silu"),
+    (1, [1, 0, 70, 3, 129, 2], 1536, torch.bfloat16, True, "silu"),  # packed, empty and short sequences
+    (3, [33], 256, torch.float16, True, None),
+    (1, [300, 1, 0, 250], 264, torch.bfloat16, True, "silu"),  # several programs' partials; lanes past C
+])
+def test_conv_prefill_gradients_match_the_conv(batch, lengths, channels, dtype, has_bias, activation):
+    gen = torch.Generator("cuda").manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda") if len(lengths) > 1 else None
+    x = rnd(batch, sum(lengths), channels).to(dtype).transpose(1, 2).requires_grad_()
+    weight = rnd(channels, 4).to(dtype).requires_grad_()
+    bias = rnd(channels).to(dtype).requires_grad_() if has_bias else None
+    dy = rnd(batch, channels, sum(lengths)).to(dtype)
+    CausalConvPrefill.apply(x, weight, bias, activation, cu_seqlens).backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias) if t is not None]
+    torch_conv(*leaves[:2], leaves[2] if has_bias else None, activation, cu_seqlens).backward(dy.double())
+    for got, want in zip([t.grad for t in (x, weight, bias) if t is not None], [t.grad for t in leaves]):
+        assert got.dtype == dtype and rel_rms(got, want) < 5e-3, rel_rms(got, want)
+
+
 def test_glue_kernels_decline_what_they_do_not_cover():
     # The layer then runs PyTorch (conv.causal_conv1d_update, Transformers' norm module): these reasons say why.
     cuda = dict(device="cuda", dtype=torch.bfloat16)
@@ -48,6 +105,13 @@ def test_glue_kernels_decline_what_they_do_not_cover():
     assert "weight and bias" in conv_step_unsupported_reason(x, state, weight.float(), None, "silu")
     assert "activation" in conv_step_unsupported_reason(x, state, weight, None, "gelu")
     assert "not on a CUDA device" in conv_step_unsupported_reason(x.cpu(), state.cpu(), weight.cpu(), None, "silu")
+    seqs, conv_weight = torch.randn(1, 7, 256, **cuda).transpose(1, 2), torch.zeros(256, 4, **cuda)
+    assert conv_prefill_unsupported_reason(seqs, conv_weight, None, "silu") is None
+    assert "laid out as [B, T, C]" in conv_prefill_unsupported_reason(seqs.contiguous(), conv_weight, None, "silu")
+    assert "multiple of 8" in conv_prefill_unsupported_reason(seqs[:, :100], conv_weight[:100], None, "silu")
+    assert "batch of one" in conv_prefill_unsupported_reason(torch.randn(2, 7, 256, **cuda).transpose(1, 2),
+                                                             conv_weight, None, "silu", torch.tensor([0, 7]))
+    assert "weight and bias" in conv_prefill_unsupported_reason(seqs, conv_weight.float(), None, "silu")
     rows, norm_weight = torch.randn(5, 128, **cuda), torch.ones(128, **cuda)
     assert norm_unsupported_reason(rows, rows, norm_weight) is None
     assert "rows of 128" in norm_unsupported_reason(rows[:, :64], rows[:, :64], norm_weight[:64])

@@ -79,6 +79,12 @@ def run_forward_and_backward(hqk, hv):
         dht = torch.zeros(len(lengths), hv, 128, 128) if store_ht else None
         hopper_backward.chunk_backward(q, k, v, g, beta, None, h0, torch.empty_like(o), dht, l2norm, cu_seqlens,
                                        kept)
+    channels = (2 * hqk + hv) * 128
+    for batch, cu_seqlens in ((2, None), (1, torch.tensor([0, 3, 10]))):  # the layer's conv, dense and packed
+        x = torch.empty(batch, 10, channels, dtype=torch.bfloat16).transpose(1, 2)
+        weight = torch.empty(channels, 4, dtype=torch.bfloat16)
+        hopper_layer.causal_conv1d_prefill(x, weight, None, "silu", cu_seqlens)
+        hopper_layer.causal_conv1d_prefill_backward(x, weight, None, "silu", cu_seqlens, torch.empty_like(x))
 
 
 @pytest.mark.parametrize("hqk,hv", HEADS)
