@@ -1,4 +1,4 @@
-"""Launchers for the Qwen3.5 layer's glue around the operator, at inference: one kernel each.
+"""Launchers for the Qwen3.5 layer's glue around the operator: one kernel each.
 
 * ``kernels/causal_conv_step.py``, the convolution's decoding step: replaces
   the PyTorch update (concatenate the cached window and the new input, copy the
@@ -12,7 +12,8 @@
 * ``kernels/gated_rms_norm.py``, the gated RMSNorm after the operator:
   replaces the module's dozen elementwise launches (same trace) with one.
 
-Neither has a backward: the layer uses them where no gradient is asked for.
+The conv over whole sequences has a backward (``CausalConvPrefill``); the conv step
+and the norm serve where no gradient is asked for.
 """
 
 from __future__ import annotations
