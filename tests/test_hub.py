@@ -385,15 +385,9 @@ def test_module_layer_compiles_without_graph_breaks(flash_qla):
     assert rel_rms(compiled_grads[1], layer.A_log.grad) < 1e-5
 
 
-def check_training_step_matches(flash_qla, model, input_ids, flat_tolerance, parameter_tolerance):
-    """One loss.backward() of the kernelized model gives the unpatched model's parameter gradients."""
-    def gradients(model):
-        model(input_ids, labels=input_ids).loss.backward()
-        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-
-    patched = flash_qla.kernelize_qwen3_5(copy.deepcopy(model))
-    reference, ours = gradients(model), gradients(patched)
-    assert reference.keys() == ours.keys() and any("linear_attn.A_log" in name for name in ours)
+def check_gradients_match(ours: dict, reference: dict, flat_tolerance, parameter_tolerance):
+    """Named gradients against the unpatched model's: all of them together by relative RMS, and each one."""
+    assert reference.keys() == ours.keys()
     flat = lambda grads: torch.cat([g.flatten() for g in grads.values()])
     assert rel_rms(flat(ours), flat(reference)) < flat_tolerance
     # A parameter whose gradient is a sliver of the whole (dt_bias: ~1e-9 in bf16) is judged
@@ -405,31 +399,93 @@ def check_training_step_matches(flash_qla, model, input_ids, flat_tolerance, par
         assert error < parameter_tolerance, (name, error.item())
 
 
+def check_training_step_matches(flash_qla, model, input_ids, flat_tolerance, parameter_tolerance):
+    """One loss.backward() of the kernelized model gives the unpatched model's parameter gradients."""
+    def gradients(model):
+        model(input_ids, labels=input_ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    patched = flash_qla.kernelize_qwen3_5(copy.deepcopy(model))
+    ours = gradients(patched)
+    assert any("linear_attn.A_log" in name for name in ours)
+    check_gradients_match(ours, gradients(model), flat_tolerance, parameter_tolerance)
+
+
+def layer_values_and_gradients(layer, pieces, dy, **kwargs) -> dict:
+    """The layer's output on the hidden states ``pieces`` (one call each, outputs concatenated along T) and
+    the gradients, for output gradient ``dy``, of its input and of each of its parameters (summed over calls)."""
+    layer.zero_grad(set_to_none=True)
+    inputs = [x.detach().clone().requires_grad_() for x in pieces]
+    y = torch.cat([layer(x, **kwargs) for x in inputs], dim=1)
+    y.backward(dy)
+    return {"output": y.detach(), "input": torch.cat([x.grad for x in inputs], dim=1),
+            **{name: p.grad for name, p in layer.named_parameters()}}
+
+
+@pytest.mark.parametrize("inputs", ["dense", "padded", "packed"])
+def test_module_layer_matches_transformers_layer_in_values_and_gradients(flash_qla, inputs):
+    """The kernelized layer against Transformers' own (the same weights): output, and the gradients of its
+    input and of every parameter (projections, conv, A_log, dt_bias, norm), on a dense batch, a batch with
+    left padding (attention_mask), and packed sequences (cu_seq_lens_q; Transformers' layer runs each
+    sequence on its own: its PyTorch path has no packed form)."""
+    model = tiny_model().train()
+    theirs = gdn_layers(model)[0]
+    ours = gdn_layers(flash_qla.kernelize_qwen3_5(copy.deepcopy(model)))[0]
+    gen = torch.Generator().manual_seed(3)
+    if inputs == "packed":
+        lengths = [9, 1, 23]
+        pieces = [torch.randn(1, n, 64, generator=gen) for n in lengths]
+        offsets = torch.tensor([0, 9, 10, 33], dtype=torch.int32)
+        want = layer_values_and_gradients(theirs, pieces, dy := torch.randn(1, 33, 64, generator=gen))
+        got = layer_values_and_gradients(ours, [torch.cat(pieces, dim=1)], dy, cu_seq_lens_q=offsets)
+    else:
+        hidden_states = torch.randn(2, 70, 64, generator=gen)
+        mask = {}
+        if inputs == "padded":
+            mask = {"attention_mask": torch.ones(2, 70, dtype=torch.long)}
+            mask["attention_mask"][1, :12] = 0  # the second row's first 12 tokens are padding
+        dy = torch.randn(2, 70, 64, generator=gen)
+        want = layer_values_and_gradients(theirs, [hidden_states], dy, **mask)
+        got = layer_values_and_gradients(ours, [hidden_states], dy, **mask)
+    assert rel_rms(got.pop("output"), want.pop("output")) < 1e-5
+    assert {"A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_qkv.weight"} < got.keys()
+    check_gradients_match(got, want, 1e-5, 1e-2)
+
+
 def test_training_step_gradients_match_the_model(flash_qla):
     # fp32 and two algorithms: the tiny gradients of strongly decayed heads differ the most (about 1e-3).
     check_training_step_matches(flash_qla, tiny_model().train(), random_ids(), 1e-5, 1e-2)
 
 
-def test_trainer_steps_run_on_the_kernelized_model(flash_qla, tmp_path, monkeypatch):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_trainer_loss_follows_the_unkernelized_model(flash_qla, tmp_path, monkeypatch, moe):
+    """Trainer steps on the kernelized model (dense and MoE) give the unpatched model's losses: same
+    weights, data and seed, fp32."""
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
     from transformers import Trainer, TrainingArguments
 
-    model = flash_qla.kernelize_qwen3_5(tiny_model().train())
-    before = model.model.layers[0].linear_attn.in_proj_qkv.weight.detach().clone()
+    def train(model):
+        dataset = [{"input_ids": ids, "labels": ids} for ids in random_ids(batch=8, length=32)]
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
+                                 use_cpu=True, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    model = tiny_model(moe=moe).train()
+    reference = train(copy.deepcopy(model))
+    patched = flash_qla.kernelize_qwen3_5(model)
+    before = patched.model.layers[0].linear_attn.in_proj_qkv.weight.detach().clone()
     chunk_calls = []
     chunk = flash_qla.layers.chunk_gated_delta_rule
     monkeypatch.setattr(flash_qla.layers, "chunk_gated_delta_rule",
                         lambda *a, **kw: chunk_calls.append(1) or chunk(*a, **kw))
-    dataset = [{"input_ids": ids, "labels": ids} for ids in random_ids(batch=8, length=32)]
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
-                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    trainer.train()
-
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
-    assert len(chunk_calls) == 3 * 3  # 3 GDN layers x 3 steps
-    assert not torch.equal(model.model.layers[0].linear_attn.in_proj_qkv.weight, before)
+    losses = train(patched)
+    assert len(losses) == 3 and len(chunk_calls) == 3 * 3  # 3 GDN layers x 3 steps
+    assert rel_rms(torch.tensor(losses), torch.tensor(reference)) < 1e-4, (losses, reference)
+    assert reference[-1] != reference[0]  # the steps trained: the comparison spans updated weights
+    assert not torch.equal(patched.model.layers[0].linear_attn.in_proj_qkv.weight, before)
 
 
 # ---- GPU (sm_90): the TileLang kernels ------------------------------------------------------------
