@@ -3,10 +3,11 @@
 # session, which outlives the call, then waited for by the calls after it.
 #   bash scripts/device_background.sh start "bwd"   # first call: start the steps, wait
 #   bash scripts/device_background.sh               # each later call: wait again
-# Each call waits up to WAIT_S seconds (default 570), then copies everything the run has
-# written so far (logs, results: device_run.sh's $OUT) to this call's $OUT; a run cut off
-# when the machine goes back keeps what it had saved. Environment variables of the first
-# call (BENCH_HEADS, ...) reach the steps.
+# Each call waits up to WAIT_S seconds (default 570), then packs everything the run has
+# written so far (logs, results: device_run.sh's $OUT) into this call's $OUT/background.tgz
+# (one file: a call brings back at most 8), beside run.log; a run cut off when the machine
+# goes back keeps what it had saved. Environment variables of the first call (BENCH_HEADS,
+# ...) reach the steps.
 set -uo pipefail
 dir=/tmp/background
 if [ "${1:-}" = start ]; then
@@ -18,5 +19,5 @@ fi
 end=$((SECONDS + ${WAIT_S:-570}))
 while [ ! -f "$dir/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
 if [ -f "$dir/rc" ]; then echo "finished, rc $(cat "$dir/rc")"; else echo "still running"; fi
-mkdir -p "${OUT:-/tmp/out}" && cp -r "$dir"/. "${OUT:-/tmp/out}"/
+mkdir -p "${OUT:-/tmp/out}" && tar -C "$dir" -czf "${OUT:-/tmp/out}/background.tgz" . && cp "$dir/run.log" "${OUT:-/tmp/out}"/
 tail -25 "$dir/run.log"
