@@ -32,23 +32,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flash_qla_tl.hopper_layer import CausalConvPrefill, sequence_starts  # noqa: E402
+from flash_qla_tl.hopper_layer import CausalConvPrefill  # noqa: E402
+from flash_qla_tl.reference import causal_conv1d  # noqa: E402
 from timing import graph_ms, versions  # noqa: E402
 
 CHANNELS = {"qwen3.5-9b": 8192, "qwen3.5-27b": 10240}  # (2 Hqk + Hv) x 128: (16,32) and (16,48)
 WIDTH = 4
 
 
-def reference(x, weight, starts):
-    """SiLU(causal conv) in float64 of ``x [B, T, C]``, each sequence from zeros (``starts``: each token's
-    sequence's first row, or None)."""
-    x, length = x.double(), x.shape[1]
-    position = torch.arange(length, device=x.device) - (0 if starts is None else starts)
-    out = 0
-    for j in range(WIDTH):  # tap j of token t reads token t - (WIDTH - 1) + j
-        shift = WIDTH - 1 - j
-        out = out + weight.double()[:, j] * F.pad(x, (0, 0, shift, 0))[:, :length] * (position >= shift)[:, None]
-    return F.silu(out)
+def reference(x, weight, cu_seqlens):
+    """SiLU(causal conv) of ``x [B, T, C]`` (in x's dtype: float64 for the check), each sequence from zeros."""
+    return F.silu(causal_conv1d(x.transpose(1, 2), weight, None, cu_seqlens)).transpose(1, 2)
 
 
 def columns():
@@ -80,9 +74,8 @@ def run_row(row: str, shape: str, device: str) -> dict:
     x = rnd(1, count * length, channels).bfloat16()  # the projection's output (no gradient: a view of it gets one)
     weight = (rnd(channels, WIDTH) / 2).bfloat16()
     dy = rnd(1, count * length, channels).bfloat16()
-    starts = None if cu is None else sequence_starts(cu, count * length)
     leaves = [t.detach().double().requires_grad_() for t in (x, weight)]
-    want = reference(*leaves, starts)
+    want = reference(*leaves, cu)
     want = (want.detach(), *(g.detach() for g in torch.autograd.grad(want, leaves, dy.double())))
     result = {"shape": shape, "channels": channels, "lengths": row, "fwd_ms": {}, "fwd_bwd_ms": {}, "error": {}}
     timed = {}

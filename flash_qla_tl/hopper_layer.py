@@ -22,6 +22,7 @@ import torch
 
 from .hopper_forward import HEAD_DIM as NORM_DIM
 from .hopper_forward import KERNEL_DTYPES, device_unsupported_reason, placeholder
+from .reference import sequence_starts
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -101,13 +102,6 @@ def conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens=None
 def conv_prefill_config(x, weight, bias, activation, packed: bool) -> tuple:
     """The prefill conv's program config for these inputs."""
     return x.shape[1], weight.shape[-1], KERNEL_DTYPES[x.dtype], bias is not None, activation is not None, packed
-
-
-def sequence_starts(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """The first row of each of ``length`` packed tokens' sequence (``cu_seqlens [N + 1]``), int32."""
-    positions = torch.arange(length, device=cu_seqlens.device)
-    offsets = cu_seqlens.to(positions.dtype)
-    return offsets[torch.searchsorted(offsets, positions, right=True) - 1].to(torch.int32)
 
 
 def _conv_prefill_arguments(x, weight, bias, cu_seqlens) -> tuple:

@@ -14,7 +14,11 @@ Two forms of one operator (DESIGN.md sections 1 and 2), per sequence and value h
   short loop over chunk positions.  It is the CPU path; its operands
   (:class:`Chunks`) also serve the chunked backward (``chunked_backward.py``).
 
-Both take validated inputs in the public layout (``q, k [B, T, Hqk, K]``,
+Beside them, :func:`causal_conv1d`, the Qwen3.5 layer's depthwise conv before the
+operator (packed sequences kept apart): the hub layer's PyTorch path for packed
+input and, in float64, the specification of the conv kernels.
+
+Both forms of the operator take validated inputs in the public layout (``q, k [B, T, Hqk, K]``,
 ``v [B, T, Hv, V]``, ``g, beta [B, T, Hv]``, packed varlen when ``cu_seqlens``
 is given with ``B == 1``) and return ``(o, final_state)`` with ``o`` in v's dtype
 and the state ``[N, Hv, K, V]`` in the compute dtype (float32, or float64 for
@@ -55,6 +59,28 @@ def sequence_bounds(batch: int, length: int, cu_seqlens: torch.Tensor | None) ->
         return [(b, 0, length) for b in range(batch)]
     bounds = cu_seqlens.tolist()
     return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def sequence_starts(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """The first row of each of ``length`` packed tokens' sequence (``cu_seqlens [N + 1]``), int32."""
+    positions = torch.arange(length, device=cu_seqlens.device)
+    offsets = cu_seqlens.to(positions.dtype)
+    return offsets[torch.searchsorted(offsets, positions, right=True) - 1].to(torch.int32)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The Qwen3.5 layer's depthwise causal conv of ``x [B, C, T]`` with ``weight [C, W]`` (no activation), in
+    x's dtype; with ``cu_seqlens [N + 1]`` (B = 1) each packed sequence starts from zeros.  One masked shift
+    per tap: no host synchronisation, any sequence lengths."""
+    width, length = weight.shape[-1], x.shape[-1]
+    position = torch.arange(length, device=x.device)
+    if cu_seqlens is not None:
+        position = position - sequence_starts(cu_seqlens.to(x.device), length)
+    out = torch.zeros_like(x) if bias is None else bias[:, None].expand_as(x)
+    for j in range(width):  # tap W - 1 - j of token t reads token t - j, which must lie in t's sequence
+        out = out + weight[:, width - 1 - j, None] * torch.nn.functional.pad(x, (j, 0))[..., :length] * (position >= j)
+    return out
 
 
 def query_scale(scale, head_dim_k: int) -> float:

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flash_qla_tl import reference
 from flash_qla_tl.hopper_layer import (
-    CausalConvPrefill, causal_conv1d_prefill, causal_conv1d_step, conv_prefill_unsupported_reason, conv_step_unsupported_reason,
-    gated_rms_norm, norm_unsupported_reason, sequence_starts,
+    CausalConvPrefill, causal_conv1d_prefill, causal_conv1d_step, conv_prefill_unsupported_reason,
+    conv_step_unsupported_reason, gated_rms_norm, norm_unsupported_reason,
 )
 from helpers import HOPPER, rel_rms
 
@@ -42,16 +43,8 @@ def test_conv_step_matches_the_update(batch, channels, dtype, has_bias, activati
 
 
 def torch_conv(x, weight, bias, activation, cu_seqlens):
-    """The causal conv in float64, each packed sequence from zeros: one masked shift per tap."""
-    width, length = weight.shape[-1], x.shape[-1]
-    x = x.double()
-    position = torch.arange(length, device=x.device)
-    if cu_seqlens is not None:
-        position = position - sequence_starts(cu_seqlens, length)
-    out = 0 if bias is None else bias.double()[:, None]
-    for j in range(width):  # tap j of token t reads token t - (W - 1) + j
-        shift = width - 1 - j
-        out = out + weight.double()[:, j, None] * F.pad(x, (shift, 0))[..., :length] * (position >= shift)
+    """The causal conv with its activation in float64, each packed sequence from zeros."""
+    out = reference.causal_conv1d(x.double(), weight.double(), None if bias is None else bias.double(), cu_seqlens)
     return F.silu(out) if activation else out
 
 
@@ -112,6 +105,7 @@ def test_glue_kernels_decline_what_they_do_not_cover():
     assert "batch of one" in conv_prefill_unsupported_reason(torch.randn(2, 7, 256, **cuda).transpose(1, 2),
                                                              conv_weight, None, "silu", torch.tensor([0, 7]))
     assert "weight and bias" in conv_prefill_unsupported_reason(seqs, conv_weight.float(), None, "silu")
+    assert "bf16 or fp16" in conv_prefill_unsupported_reason(seqs.float(), conv_weight.float(), None, "silu")
     rows, norm_weight = torch.randn(5, 128, **cuda), torch.ones(128, **cuda)
     assert norm_unsupported_reason(rows, rows, norm_weight) is None
     assert "rows of 128" in norm_unsupported_reason(rows[:, :64], rows[:, :64], norm_weight[:64])

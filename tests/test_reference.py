@@ -72,3 +72,22 @@ def test_varlen_equals_separate_calls():
         torch.testing.assert_close(o[:, start:start + n], o_i, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(s[i:i + 1], s_i, rtol=1e-10, atol=1e-10)
         start += n
+
+
+def test_causal_conv1d_is_the_grouped_conv_and_keeps_packed_sequences_apart():
+    """The layer's conv (the hub's packed path; the float64 reference of the conv kernels' tests): a dense batch
+    gives ``conv1d`` with groups = C and left padding; packed sequences (an empty and a one-token one among
+    them) give each sequence run alone."""
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 4, generator=gen, dtype=torch.float64), torch.randn(24, generator=gen,
+                                                                                       dtype=torch.float64)
+    x = torch.randn(2, 24, 37, generator=gen, dtype=torch.float64)
+    want = torch.nn.functional.conv1d(x, weight[:, None], bias, padding=3, groups=24)[..., :37]
+    assert torch.allclose(reference.causal_conv1d(x, weight, bias), want, atol=1e-12)
+    lengths = [5, 0, 1, 31]
+    pieces = [torch.randn(1, 24, n, generator=gen, dtype=torch.float64) for n in lengths]
+    cu_seqlens = torch.tensor([0, 5, 5, 6, 37])
+    packed = reference.causal_conv1d(torch.cat(pieces, dim=-1), weight, bias, cu_seqlens)
+    alone = torch.cat([reference.causal_conv1d(p, weight, bias) for p in pieces], dim=-1)
+    assert torch.allclose(packed, alone, atol=1e-12)
+    assert reference.sequence_starts(cu_seqlens, 37).tolist() == [0] * 5 + [5] + [6] * 31

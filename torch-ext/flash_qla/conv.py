@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from ._ops import add_op_namespace_prefix
 from .flash_qla_tl.hopper_layer import (
     CausalConvPrefill, causal_conv1d_prefill, causal_conv1d_prefill_backward, causal_conv1d_step,
-    conv_prefill_unsupported_reason, conv_step_unsupported_reason, sequence_starts,
+    conv_prefill_unsupported_reason, conv_step_unsupported_reason,
 )
+from .flash_qla_tl.reference import causal_conv1d as reference_causal_conv1d
 from .ops import plain_eager
 
 _ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
@@ -96,20 +97,8 @@ def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
     if cu_seqlens is None:
         out = F.conv1d(inputs, weight.unsqueeze(1), bias, padding=width - 1, groups=x.shape[1])[..., :length]
     else:
-        out = _packed_causal_conv1d(inputs, weight, bias, cu_seqlens)
+        out = reference_causal_conv1d(inputs, weight, bias, cu_seqlens)
     return _activate(out, activation).to(x.dtype)
-
-
-def _packed_causal_conv1d(x, weight, bias, cu_seqlens):
-    # Tap j of token t reads token t - j, which must not lie before the start of
-    # t's own sequence.  Masks rather than a loop over sequences: no host sync.
-    width, length = weight.shape[-1], x.shape[-1]
-    position_in_sequence = torch.arange(length, device=x.device) - sequence_starts(cu_seqlens.to(x.device), length)
-    out = torch.zeros_like(x) if bias is None else bias[:, None].expand_as(x)
-    for j in range(width):
-        shifted = F.pad(x, (j, 0))[..., :length]
-        out = out + weight[:, width - 1 - j, None] * shifted * (position_in_sequence >= j)
-    return out
 
 
 @torch.library.custom_op(add_op_namespace_prefix("causal_conv1d_step"), mutates_args=("conv_state",))
