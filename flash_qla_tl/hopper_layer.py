@@ -7,13 +7,16 @@
   updated in place;
 * ``kernels/causal_conv_prefill.py``, the convolution over whole sequences,
   packed ones too: reads the projection's output ``[B, T, C]`` as it lies and
-  writes the same layout, where the PyTorch path transposes, pads, convolves,
-  activates and transposes back;
+  writes the same layout, or q, k and v each as a contiguous tensor (planes),
+  where the PyTorch path transposes, pads, convolves, activates and transposes
+  back, and the operator then copies q, k and v out of the strided result;
 * ``kernels/gated_rms_norm.py``, the gated RMSNorm after the operator:
-  replaces the module's dozen elementwise launches (same trace) with one.
+  replaces the module's dozen elementwise launches (same trace) with one, and
+  its backward (the module's autograd: a dozen more, fp32 copies among them)
+  with one more.
 
-The conv over whole sequences has a backward (``CausalConvPrefill``); the conv step
-and the norm serve where no gradient is asked for.
+The conv over whole sequences and the norm have a backward (``CausalConvPrefill``,
+``GatedRMSNorm``); the conv step serves decoding, where no gradient is asked for.
 """
 
 from __future__ import annotations
@@ -79,10 +82,11 @@ def causal_conv1d_step(x, conv_state, weight, bias=None, activation=None) -> tor
     return y.unsqueeze(-1)
 
 
-def conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens=None) -> str | None:
+def conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens=None, planes=None) -> str | None:
     """Why the prefill kernel cannot convolve ``x [B, C, T]``, or None: x must be the transpose of a contiguous
     ``[B, T, C]`` (the projection's output, as the layer holds it), C a multiple of 8, ``weight [C, W]`` and
-    ``bias [C]`` (or None) of x's dtype; packed sequences (``cu_seqlens``) in a batch of one."""
+    ``bias [C]`` (or None) of x's dtype; packed sequences (``cu_seqlens``) in a batch of one; ``planes``
+    (the output's channel groups), if given, multiples of 8 summing to C."""
     from .kernels.causal_conv_prefill import LANE_CHANNELS, build_causal_conv_prefill
 
     reason = device_unsupported_reason(x)
@@ -95,13 +99,16 @@ def conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens=None
         return f"packed sequences in a batch of one, got a batch of {x.shape[0]}"
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or activation not in ACTIVATIONS:
         return f"weight and bias of x's dtype and an activation of {ACTIVATIONS}, got {weight.dtype}, {activation!r}"
+    if planes is not None and (sum(planes) != x.shape[1] or any(p <= 0 or p % LANE_CHANNELS for p in planes)):
+        return f"output planes of multiples of {LANE_CHANNELS} channels summing to {x.shape[1]}, got {planes}"
     return _program_unavailable(build_causal_conv_prefill,
-                                *conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None))
+                                *conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None, planes))
 
 
-def conv_prefill_config(x, weight, bias, activation, packed: bool) -> tuple:
-    """The prefill conv's program config for these inputs."""
-    return x.shape[1], weight.shape[-1], KERNEL_DTYPES[x.dtype], bias is not None, activation is not None, packed
+def conv_prefill_config(x, weight, bias, activation, packed: bool, planes: tuple | None = None) -> tuple:
+    """The prefill conv's program config for these inputs (``planes``: the output's, default one of C)."""
+    return (x.shape[1], weight.shape[-1], KERNEL_DTYPES[x.dtype], bias is not None, activation is not None, packed,
+            tuple(planes or (x.shape[1],)))
 
 
 def _conv_prefill_arguments(x, weight, bias, cu_seqlens) -> tuple:
@@ -113,24 +120,33 @@ def _conv_prefill_arguments(x, weight, bias, cu_seqlens) -> tuple:
     return x.transpose(1, 2), starts, weight.contiguous(), bias
 
 
-def causal_conv1d_prefill(x, weight, bias=None, activation=None, cu_seqlens=None) -> torch.Tensor:
+def plane_views(planar: torch.Tensor, batch: int, length: int, planes) -> tuple:
+    """The planes of a planar buffer (``kernels/causal_conv_prefill.py``) as contiguous ``[B, T, width]``
+    tensors (views of it)."""
+    return tuple(part.view(batch, length, width)
+                 for part, width in zip(planar.split([batch * length * w for w in planes]), planes))
+
+
+def causal_conv1d_prefill(x, weight, bias=None, activation=None, cu_seqlens=None, planes=None) -> torch.Tensor:
     """``act(causal conv1d(x))`` over whole sequences, each from zeros, without autograd: ``x [B, C, T]`` as
     :func:`conv_prefill_unsupported_reason` accepts it; ``cu_seqlens [N + 1]`` marks packed sequences (B = 1).
-    Returns ``[B, C, T]`` in x's dtype, laid out as ``[B, T, C]`` like x."""
-    from .kernels.causal_conv_prefill import build_causal_conv_prefill
+    Returns the planar buffer (``B T C`` values in x's dtype) of the channel groups ``planes`` (default: one
+    of all C, the projection's ``[B, T, C]`` layout); :func:`plane_views` gives the planes."""
+    from .kernels.causal_conv_prefill import LANE_CHANNELS, build_causal_conv_prefill
     from .kernels.compile import compile_program
 
-    y = torch.empty_like(x.transpose(1, 2))
+    y = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
     if x.numel():
-        config = conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None)
-        compile_program(build_causal_conv_prefill, *config)(*_conv_prefill_arguments(x, weight, bias, cu_seqlens), y)
-    return y.transpose(1, 2)
+        config = conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None, planes)
+        compile_program(build_causal_conv_prefill, *config)(*_conv_prefill_arguments(x, weight, bias, cu_seqlens),
+                                                           y.view(-1, LANE_CHANNELS))
+    return y
 
 
-def causal_conv1d_prefill_backward(x, weight, bias, activation, cu_seqlens, dy) -> tuple:
-    """The gradients of :func:`causal_conv1d_prefill` for ``dy [B, C, T]`` (any layout): ``(dx [B, C, T]`` laid out
-    as x, ``dweight [C, W]``, ``dbias [C]`` or None), each in its input's dtype."""
-    from .kernels.causal_conv_prefill import BLOCK_ROWS, build_causal_conv_prefill_backward
+def causal_conv1d_prefill_backward(x, weight, bias, activation, cu_seqlens, dy, planes=None) -> tuple:
+    """The gradients of :func:`causal_conv1d_prefill` for ``dy``, the gradient of its planar buffer:
+    ``(dx [B, C, T]`` laid out as x, ``dweight [C, W]``, ``dbias [C]`` or None), each in its input's dtype."""
+    from .kernels.causal_conv_prefill import BLOCK_ROWS, LANE_CHANNELS, build_causal_conv_prefill_backward
     from .kernels.compile import compile_program
 
     batch, channels, length = x.shape
@@ -139,28 +155,30 @@ def causal_conv1d_prefill_backward(x, weight, bias, activation, cu_seqlens, dy) 
     dweight_part = torch.zeros(batch, blocks, channels, weight.shape[-1], dtype=torch.float32, device=x.device)
     dbias_part = torch.zeros(batch, blocks, channels, dtype=torch.float32, device=x.device)
     if x.numel():
-        config = conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None)
+        config = conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None, planes)
         compile_program(build_causal_conv_prefill_backward, *config)(
-            *_conv_prefill_arguments(x, weight, bias, cu_seqlens), dy.transpose(1, 2).contiguous(), dx,
-            dweight_part, dbias_part)
+            *_conv_prefill_arguments(x, weight, bias, cu_seqlens), dy.contiguous().view(-1, LANE_CHANNELS),
+            dx.view(-1, LANE_CHANNELS), dweight_part, dbias_part)
     dbias = None if bias is None else dbias_part.sum((0, 1)).to(bias.dtype)
     return dx.transpose(1, 2), dweight_part.sum((0, 1)).to(weight.dtype), dbias
 
 
 class CausalConvPrefill(torch.autograd.Function):
-    """:func:`causal_conv1d_prefill` with its backward (x, weight and bias differentiable)."""
+    """:func:`causal_conv1d_prefill` with its backward (x, weight and bias differentiable); returns the planar
+    buffer, whose views (:func:`plane_views`) carry their gradients back to it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, cu_seqlens):
+    def forward(ctx, x, weight, bias, activation, cu_seqlens, planes=None):
         ctx.save_for_backward(x, weight, bias, cu_seqlens)
-        ctx.activation = activation
-        return causal_conv1d_prefill(x, weight, bias, activation, cu_seqlens)
+        ctx.activation, ctx.planes = activation, planes
+        return causal_conv1d_prefill(x, weight, bias, activation, cu_seqlens, planes)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, cu_seqlens = ctx.saved_tensors
-        dx, dweight, dbias = causal_conv1d_prefill_backward(x, weight, bias, ctx.activation, cu_seqlens, dy)
-        return dx, dweight, dbias, None, None
+        dx, dweight, dbias = causal_conv1d_prefill_backward(x, weight, bias, ctx.activation, cu_seqlens, dy,
+                                                            ctx.planes)
+        return dx, dweight, dbias, None, None, None
 
 
 def norm_unsupported_reason(x, z, weight) -> str | None:
@@ -187,3 +205,33 @@ def gated_rms_norm(x, z, weight, eps) -> torch.Tensor:
         kernel = compile_program(build_gated_rms_norm, NORM_DIM, KERNEL_DTYPES[x.dtype])
         kernel(x, z, weight.contiguous(), float(eps), y)
     return y
+
+
+def gated_rms_norm_backward(x, z, weight, eps, dy) -> tuple:
+    """The gradients ``(dx, dz, dweight)`` of :func:`gated_rms_norm` for ``dy [N, D]`` (any layout), as autograd
+    forms them through Transformers' module; dx and dz contiguous, each in its input's dtype."""
+    from .kernels.compile import compile_program
+    from .kernels.gated_rms_norm import BACKWARD_ROWS, build_gated_rms_norm_backward
+
+    dx, dz = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
+    dweight_part = torch.zeros(max(1, -(-x.shape[0] // BACKWARD_ROWS)), x.shape[1], dtype=torch.float32,
+                               device=x.device)
+    if x.shape[0]:
+        kernel = compile_program(build_gated_rms_norm_backward, NORM_DIM, KERNEL_DTYPES[x.dtype])
+        kernel(x, z, weight.contiguous(), float(eps), dy.contiguous(), dx, dz, dweight_part)
+    return dx, dz, dweight_part.sum(0).to(weight.dtype)
+
+
+class GatedRMSNorm(torch.autograd.Function):
+    """:func:`gated_rms_norm` with its backward (x, z and weight differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, z, weight, eps):
+        ctx.save_for_backward(x, z, weight)
+        ctx.eps = eps
+        return gated_rms_norm(x, z, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, weight = ctx.saved_tensors
+        return (*gated_rms_norm_backward(x, z, weight, ctx.eps, dy), None)

@@ -18,7 +18,7 @@ from .kernels.chunk_forward import build_chunk_forward
 from .kernels.chunk_local_gradients import build_chunk_local_gradients
 from .kernels.chunk_prep import build_chunk_prep
 from .kernels.chunk_scores import build_chunk_scores
-from .kernels.gated_rms_norm import build_gated_rms_norm
+from .kernels.gated_rms_norm import build_gated_rms_norm, build_gated_rms_norm_backward
 from .kernels.inverse_norms import build_inverse_norms
 from .kernels.recurrent_step import BLOCK_WIDTHS as DECODE_WIDTHS
 from .kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
@@ -70,10 +70,16 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         out += [(build_causal_conv_step, (conv_channels, 4, dtype, False, True)), (build_gated_rms_norm, (128, dtype))]
     if "forward" not in kernels and "backward" not in kernels:
         return out
-    # the layer's conv over whole sequences (dense and packed), and its backward
+    # the layer's conv over whole sequences (dense and packed) and its gated RMSNorm, and their backward; the
+    # conv writes q, k and v as planes of their own (the layer without a cache) or the projection's layout (a
+    # cached prefill, the function)
     conv_builds = [build_causal_conv_prefill] + ([build_causal_conv_prefill_backward] if "backward" in kernels else [])
-    out += [(build, (conv_channels, 4, dtype, False, True, packed))
-            for build, packed in itertools.product(conv_builds, (False, True))]
+    conv_planes = [(hqk * 128, hqk * 128, hv * 128), (conv_channels,)]
+    out += [(build, (conv_channels, 4, dtype, False, True, packed, planes))
+            for build, packed, planes in itertools.product(conv_builds, (False, True), conv_planes)]
+    norm_builds = ([] if "decode" in kernels else [build_gated_rms_norm]) + (
+        [build_gated_rms_norm_backward] if "backward" in kernels else [])  # the forward: listed with decode's
+    out += [(build, (128, dtype)) for build in norm_builds]
     # chunk_prep: (store_inverse, store_keys) of the forward's plans and of the backward, each with and
     # without the keys' norms (the l2norm)
     preps = [(False, False), (False, True)] + ([(True, True)] if "backward" in kernels else [])

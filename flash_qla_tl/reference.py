@@ -16,7 +16,8 @@ Two forms of one operator (DESIGN.md sections 1 and 2), per sequence and value h
 
 Beside them, :func:`causal_conv1d`, the Qwen3.5 layer's depthwise conv before the
 operator (packed sequences kept apart): the hub layer's PyTorch path for packed
-input and, in float64, the specification of the conv kernels.
+input and, in float64, the specification of the conv kernels; and
+:func:`gated_rms_norm`, the layer's norm after it, the norm kernels' specification.
 
 Both forms of the operator take validated inputs in the public layout (``q, k [B, T, Hqk, K]``,
 ``v [B, T, Hv, V]``, ``g, beta [B, T, Hv]``, packed varlen when ``cu_seqlens``
@@ -81,6 +82,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     for j in range(width):  # tap W - 1 - j of token t reads token t - j, which must lie in t's sequence
         out = out + weight[:, width - 1 - j, None] * torch.nn.functional.pad(x, (j, 0))[..., :length] * (position >= j)
     return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The layer's gated RMSNorm after the operator, ``weight * rmsnorm(x) * silu(z)`` over the last dim, in x's
+    dtype without Transformers' intermediate roundings (float64: the norm kernels' specification)."""
+    return weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * torch.nn.functional.silu(z)
 
 
 def query_scale(scale, head_dim_k: int) -> float:

@@ -33,13 +33,13 @@ for step in $steps; do
       python scripts/precompile.py --heads ${WARM_HEADS:?HqkxHv,...} --all-flags --kernels forward,backward --jobs 15 \
         2>&1 | grep -v INFO | tail -1 ;;
     layertests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_layer.py \
-        2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -30 ;;
+        ${LAYER_TESTS_K:+-k "$LAYER_TESTS_K"} 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -30 ;;
     hubtests) # the hub package's layer, ops and models on the GPU (the tiny models' programs first)
       python scripts/precompile.py --heads 2x4 --all-flags --kernels forward,backward,decode --jobs 15 2>&1 \
         | grep -v INFO | tail -1
       timeout 540 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hub.py 2>&1 \
         | tee "$OUT/gpu-tests-hub.log" | tail -30 ;;
-    conv)  python benchmarks/bench_conv.py --out "$OUT/conv" 2>&1 | grep -v INFO | tee "$OUT/conv.log" | tail -20 ;;
+    glue)  python benchmarks/bench_glue.py --out "$OUT/glue" ${GLUE_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/glue.log" | tail -30 ;;
     decode) # the decoding kernel: its programs side by side, its GPU tests, then bench_decode.py
       python scripts/precompile.py --heads 16x32,16x64,2x8 --kernels decode --jobs 15 2>&1 | grep -v INFO | tail -1
       python scripts/precompile.py --heads 2x4 --all-flags --kernels forward,decode --jobs 15 2>&1 \

@@ -13,7 +13,7 @@ in segments of their own, and the backward in the segments of forwards that kept
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
 its state once in a new tensor and once updated in place; and the layer's
 conv over packed sequences (lengths 1, 0, 70, 3, 300, 2: two programs' rows) with its backward, its
-conv step and gated RMSNorm (``hopper_layer.py``).  The
+conv step and gated RMSNorm with its backward (``hopper_layer.py``).  The
 outputs and the gradients are checked against the float64 reference, so a sanitizer run that
 disturbs the kernels' timing also shows whether the results moved.
 """
@@ -56,14 +56,17 @@ def check_decode(hqk, hv):
 
 
 def check_conv_prefill():
-    """The layer's conv over packed sequences (an empty and one-token ones; 384 channels, with a bias), forward
-    and backward, against float64 autograd."""
+    """The layer's conv over packed sequences (an empty and one-token ones; 384 channels, with a bias, written
+    in three planes whose edges fall inside a warp's channels), forward and backward, against float64
+    autograd."""
     lengths = [1, 0, 70, 3, 300, 2]
     cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda")
     x = torch.randn(1, sum(lengths), 384, device="cuda").bfloat16().transpose(1, 2).requires_grad_()
     weight, bias = (torch.randn(*s, device="cuda").bfloat16().requires_grad_() for s in ((384, 4), (384,)))
     dy = torch.randn(1, 384, sum(lengths), device="cuda").bfloat16()
-    y = hopper_layer.CausalConvPrefill.apply(x, weight, bias, "silu", cu_seqlens)
+    planes = (64, 64, 256)
+    planar = hopper_layer.CausalConvPrefill.apply(x, weight, bias, "silu", cu_seqlens, planes)
+    y = torch.cat(hopper_layer.plane_views(planar, 1, sum(lengths), planes), dim=-1).transpose(1, 2)
     got = (y, *torch.autograd.grad(y, (x, weight, bias), dy))
     leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
     want = torch.nn.functional.silu(reference.causal_conv1d(*leaves, cu_seqlens))
@@ -74,7 +77,8 @@ def check_conv_prefill():
 
 
 def check_layer_glue():
-    """The layer's conv step (1000 channels: a partial last program) and gated RMSNorm (33 rows)."""
+    """The layer's conv step (1000 channels: a partial last program) and gated RMSNorm (33 rows: a partial
+    program), forward and backward."""
     x = torch.randn(3, 1, 1000, device="cuda").bfloat16().transpose(1, 2)
     state, weight, bias = (torch.randn(3, 1000, 4, device="cuda").bfloat16(),
                            torch.randn(1000, 4, device="cuda").bfloat16(), torch.randn(1000, device="cuda").bfloat16())
@@ -85,11 +89,17 @@ def check_layer_glue():
     assert rel_rms(y, want) <= TOL and torch.equal(state.double(), window)
     rows, gates = (torch.randn(33, 128, device="cuda").bfloat16() for _ in range(2))
     norm_weight = torch.randn(128, device="cuda").bfloat16()
-    want = rows.double() * torch.rsqrt(rows.double().square().mean(-1, keepdim=True) + 1e-6) * norm_weight.double()
-    want = want * torch.nn.functional.silu(gates.double())
+    want = reference.gated_rms_norm(rows.double(), gates.double(), norm_weight.double(), 1e-6)
     y = hopper_layer.gated_rms_norm(rows, gates, norm_weight, 1e-6)
     print(f"gated RMSNorm: relative RMS {rel_rms(y, want):.2e}")
     assert rel_rms(y, want) <= TOL
+    leaves = [t.double().requires_grad_() for t in (rows, gates, norm_weight)]
+    dy = torch.randn(33, 128, device="cuda").bfloat16()
+    want = torch.autograd.grad(reference.gated_rms_norm(*leaves, 1e-6), leaves, dy.double())
+    got = hopper_layer.gated_rms_norm_backward(rows, gates, norm_weight, 1e-6, dy)
+    errors = [rel_rms(g, w) for g, w in zip(got, want)]
+    print("gated RMSNorm backward: relative RMS dx, dz, dweight " + ", ".join(f"{e:.2e}" for e in errors))
+    assert max(errors) <= 2 * TOL, errors  # the module's roundings of ds and dn: twice the forward's
 
 
 def backward_with_walks(plan, *args):

@@ -57,3 +57,25 @@ def test_layer_bench_runs_both_shapes_and_packed_rows(tmp_path):
         assert [(r["row"], r["tokens"]) for r in column["rows"]] == [("70", 70), ("2x35", 70)]
         assert all(r[mode] == {"ran": True} for r in column["rows"] for mode in ("fwd", "fwd+bwd")), column
     assert "| column | T=70 fwd | T=70 fwd+bwd | 2x35 fwd | 2x35 fwd+bwd |" in (tmp_path / "layer.md").read_text()
+
+
+@pytest.mark.parametrize("kernel,row", [("norm", "64"), ("conv", "70"), ("conv", "2x35")])
+def test_glue_bench_references_agree_with_the_pytorch_columns(kernel, row, monkeypatch):
+    """``bench_glue.py`` judges each column by its float64 reference: the PyTorch columns (what the kernels
+    replace) must meet it, so that a kernel column failing it is the kernel's fault."""
+    import bench_glue
+
+    monkeypatch.setitem(bench_glue.HEADS, "tiny", (1, 2))
+    gen = torch.Generator().manual_seed(0)
+    inputs, reference, columns, dy = bench_glue.CASES[kernel]("tiny", row, lambda *s: torch.randn(*s, generator=gen),
+                                                               "cpu")
+    assert "flash-qla-tl" in columns and ("torch" in columns) == (kernel == "conv" and "x" not in row)
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    want = reference(*leaves)
+    want = (want, *torch.autograd.grad(want, leaves, dy.double()))
+    for name in set(columns) & {"torch", "transformers"}:
+        args = [t.detach().requires_grad_() for t in inputs]
+        y = columns[name](*args)
+        for got, exact in zip((y, *torch.autograd.grad(y, args, dy)), want):
+            assert got.shape == exact.shape
+            assert ((got.double() - exact).square().mean() / exact.square().mean()).sqrt() < 5e-3, name

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from flash_qla_tl import reference
 from flash_qla_tl.hopper_layer import (
-    CausalConvPrefill, causal_conv1d_prefill, causal_conv1d_step, conv_prefill_unsupported_reason,
-    conv_step_unsupported_reason, gated_rms_norm, norm_unsupported_reason,
+    CausalConvPrefill, GatedRMSNorm, causal_conv1d_prefill, causal_conv1d_step, conv_prefill_unsupported_reason,
+    conv_step_unsupported_reason, gated_rms_norm, norm_unsupported_reason, plane_views,
 )
 from helpers import HOPPER, rel_rms
 
@@ -48,42 +48,47 @@ def torch_conv(x, weight, bias, activation, cu_seqlens):
     return F.silu(out) if activation else out
 
 
-@pytest.mark.parametrize("batch,lengths,channels,dtype,has_bias,activation", [
-    (2, [100], 8192, torch.bfloat16, False, "silu"),  # Qwen3.5-9B's channels; T not a multiple of 32
-    (1, [1, 0, 70, 3, 129, 2], 1536, torch.bfloat16, False, "silu"),  # packed, empty and short sequences
-    (3, [33], 256, torch.float16, True, None),
-    (1, [5], 136, torch.bfloat16, True, "silu"),  # fewer tokens than a lane's rows; lanes past C
-])
-def test_conv_prefill_matches_the_conv(batch, lengths, channels, dtype, has_bias, activation):
+@pytest.mark.parametrize("batch,lengths,channels,dtype,has_bias,activation,planes", [
+    (2, [100], 8192, torch.bfloat16, False, "silu", (2048, 2048, 4096)),  # Qwen3.5-9B's q, k, v; T % 32 != 0
+    (1, [1, 0, 70, 3, 129, 2], 1536, torch.bfloat16, False, "silu", None),  # packed, empty and short sequences
+    (3, [33], 256, torch.float16, True, None, None),
+    (1, [5], 136, torch.bfloat16, True, "silu", (8, 64, 64)),  # fewer tokens than a lane's rows; lanes past C;
+])                                                               # planes changing within a warp
+def test_conv_prefill_matches_the_conv(batch, lengths, channels, dtype, has_bias, activation, planes):
     gen = torch.Generator("cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
     cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda") if len(lengths) > 1 else None
     # x as the layer passes it: the [B, C, T] transpose of the projection's [B, T, C] output
     x = rnd(batch, sum(lengths), channels).to(dtype).transpose(1, 2)
     weight, bias = rnd(channels, 4).to(dtype), rnd(channels).to(dtype) if has_bias else None
-    assert conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens) is None
-    y = causal_conv1d_prefill(x, weight, bias, activation, cu_seqlens)
-    assert y.shape == x.shape and y.dtype == dtype and y.transpose(1, 2).is_contiguous()
-    assert rel_rms(y, torch_conv(x, weight, bias, activation, cu_seqlens)) < 4e-3
+    assert conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens, planes) is None
+    planar = causal_conv1d_prefill(x, weight, bias, activation, cu_seqlens, planes)
+    views = plane_views(planar, batch, sum(lengths), planes or (channels,))
+    assert planar.dtype == dtype and all(v.is_contiguous() for v in views)
+    y = torch.cat(views, dim=-1)
+    assert rel_rms(y, torch_conv(x, weight, bias, activation, cu_seqlens).transpose(1, 2)) < 4e-3
 
 
-@pytest.mark.parametrize("batch,lengths,channels,dtype,has_bias,activation", [
-    (2, [100], 8192, torch.bfloat16, False, "silu"),
-    (1, [1, 0, 70, 3, 129, 2], 1536, torch.bfloat16, True, "silu"),  # packed, empty and short sequences
-    (3, [33], 256, torch.float16, True, None),
-    (1, [300, 1, 0, 250], 264, torch.bfloat16, True, "silu"),  # several programs' partials; lanes past C
+@pytest.mark.parametrize("batch,lengths,channels,dtype,has_bias,activation,planes", [
+    (2, [100], 8192, torch.bfloat16, False, "silu", (2048, 2048, 4096)),
+    (1, [1, 0, 70, 3, 129, 2], 1536, torch.bfloat16, True, "silu", (256, 256, 1024)),  # packed, empty, short
+    (3, [33], 256, torch.float16, True, None, None),
+    (1, [300, 1, 0, 250], 264, torch.bfloat16, True, "silu", (136, 64, 64)),  # several programs; lanes past C
 ])
-def test_conv_prefill_gradients_match_the_conv(batch, lengths, channels, dtype, has_bias, activation):
+def test_conv_prefill_gradients_match_the_conv(batch, lengths, channels, dtype, has_bias, activation, planes):
     gen = torch.Generator("cuda").manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
     cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda") if len(lengths) > 1 else None
     x = rnd(batch, sum(lengths), channels).to(dtype).transpose(1, 2).requires_grad_()
     weight = rnd(channels, 4).to(dtype).requires_grad_()
     bias = rnd(channels).to(dtype).requires_grad_() if has_bias else None
-    dy = rnd(batch, channels, sum(lengths)).to(dtype)
-    CausalConvPrefill.apply(x, weight, bias, activation, cu_seqlens).backward(dy)
+    dy = rnd(batch, sum(lengths), channels).to(dtype)
+    planar = CausalConvPrefill.apply(x, weight, bias, activation, cu_seqlens, planes)
+    # the gradients reach the planar buffer through its planes' views, as in the layer
+    torch.cat(plane_views(planar, batch, sum(lengths), planes or (channels,)), dim=-1).backward(dy)
     leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias) if t is not None]
-    torch_conv(*leaves[:2], leaves[2] if has_bias else None, activation, cu_seqlens).backward(dy.double())
+    torch_conv(*leaves[:2], leaves[2] if has_bias else None, activation, cu_seqlens).backward(
+        dy.double().transpose(1, 2))
     for got, want in zip([t.grad for t in (x, weight, bias) if t is not None], [t.grad for t in leaves]):
         assert got.dtype == dtype and rel_rms(got, want) < 5e-3, rel_rms(got, want)
 
@@ -106,6 +111,8 @@ def test_glue_kernels_decline_what_they_do_not_cover():
                                                              conv_weight, None, "silu", torch.tensor([0, 7]))
     assert "weight and bias" in conv_prefill_unsupported_reason(seqs, conv_weight.float(), None, "silu")
     assert "bf16 or fp16" in conv_prefill_unsupported_reason(seqs.float(), conv_weight.float(), None, "silu")
+    assert "planes" in conv_prefill_unsupported_reason(seqs, conv_weight, None, "silu", None, (128, 120))
+    assert "planes" in conv_prefill_unsupported_reason(seqs, conv_weight, None, "silu", None, (124, 132))
     rows, norm_weight = torch.randn(5, 128, **cuda), torch.ones(128, **cuda)
     assert norm_unsupported_reason(rows, rows, norm_weight) is None
     assert "rows of 128" in norm_unsupported_reason(rows[:, :64], rows[:, :64], norm_weight[:64])
@@ -128,3 +135,26 @@ def test_gated_rms_norm_matches_the_module(rows, dtype):
     got = gated_rms_norm(x, z, norm.weight, norm.variance_epsilon)
     assert got.dtype == dtype and rel_rms(got, want) < 2e-3
     assert (got == want).float().mean() > 0.95  # the module's roundings, not just its value
+
+
+@pytest.mark.parametrize("rows,dtype", [(32, torch.bfloat16), (1000, torch.bfloat16), (8193, torch.float16)])
+def test_gated_rms_norm_gradients_match_the_module(rows, dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    norm = Qwen3_5RMSNormGated(128, eps=1e-6).to("cuda", dtype)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+    gen = torch.Generator("cuda").manual_seed(2)
+    x = torch.randn(rows, 3 * 128, device="cuda", generator=gen).to(dtype)[:, 128:256].requires_grad_()  # a view
+    z = (torch.randn(rows, 128, device="cuda", generator=gen) * 3).to(dtype).requires_grad_()
+    dy = torch.randn(rows, 128, device="cuda", generator=gen).to(dtype)
+    weight = norm.weight.detach().clone().requires_grad_()
+    GatedRMSNorm.apply(x, z, weight, norm.variance_epsilon).backward(dy)
+    got = [t.grad for t in (x, z, weight)]
+    want = torch.autograd.grad(norm(x, z), (x, z, norm.weight), dy)  # the module's own backward, same dtype
+    leaves = [t.detach().double().requires_grad_() for t in (x, z, weight)]
+    exact = torch.autograd.grad(reference.gated_rms_norm(*leaves, norm.variance_epsilon), leaves, dy.double())
+    for name, g, w, e in zip(("dx", "dz", "dweight"), got, want, exact):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        # as close to float64 as the module's backward is (both round as the module does), and close to it
+        assert rel_rms(g, e) < max(2 * rel_rms(w, e), 5e-3), (name, rel_rms(g, e), rel_rms(w, e))
+        assert rel_rms(g, w) < 1e-2, (name, rel_rms(g, w))

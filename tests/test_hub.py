@@ -455,6 +455,30 @@ def test_module_layer_matches_transformers_layer_in_values_and_gradients(flash_q
     check_layer_matches(flash_qla, tiny_model().train(), inputs, 1e-5, 1e-5, 1e-2)
 
 
+def test_module_layer_matches_transformers_layer_with_a_cache(flash_qla):
+    """Cached calls of the layer (a prefill, two single-token steps, then a 6-token continuation that reads
+    the cached conv window and state) give Transformers' outputs and leave the same conv and recurrent
+    states in the cache."""
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    theirs = gdn_layers(model)[0]
+    ours = gdn_layers(flash_qla.kernelize_qwen3_5(copy.deepcopy(model)))[0]
+    gen = torch.Generator().manual_seed(5)
+    pieces = [torch.randn(2, n, 64, generator=gen) for n in (13, 1, 1, 6)]
+
+    def run(layer):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            outputs = torch.cat([layer(x, cache_params=cache) for x in pieces], dim=1)
+        idx = layer.layer_idx
+        return outputs, cache.get_conv_state(idx).clone(), cache.get_recurrent_state(idx).clone()
+
+    for got, want in zip(run(ours), run(theirs), strict=True):
+        assert got.shape == want.shape
+        assert rel_rms(got, want) < 1e-5
+
+
 def test_training_step_gradients_match_the_model(flash_qla):
     # fp32 and two algorithms: the tiny gradients of strongly decayed heads differ the most (about 1e-3).
     check_training_step_matches(flash_qla, tiny_model().train(), random_ids(), 1e-5, 1e-2)

@@ -83,8 +83,13 @@ def run_forward_and_backward(hqk, hv):
     for batch, cu_seqlens in ((2, None), (1, torch.tensor([0, 3, 10]))):  # the layer's conv, dense and packed
         x = torch.empty(batch, 10, channels, dtype=torch.bfloat16).transpose(1, 2)
         weight = torch.empty(channels, 4, dtype=torch.bfloat16)
-        hopper_layer.causal_conv1d_prefill(x, weight, None, "silu", cu_seqlens)
-        hopper_layer.causal_conv1d_prefill_backward(x, weight, None, "silu", cu_seqlens, torch.empty_like(x))
+        for planes in (None, (hqk * 128, hqk * 128, hv * 128)):  # the projection's layout; the layer's q, k, v
+            hopper_layer.causal_conv1d_prefill(x, weight, None, "silu", cu_seqlens, planes)
+            hopper_layer.causal_conv1d_prefill_backward(x, weight, None, "silu", cu_seqlens,
+                                                        torch.empty(x.numel(), dtype=x.dtype), planes)
+    rows = torch.empty(5, 128, dtype=torch.bfloat16)  # the layer's gated RMSNorm in training
+    hopper_layer.gated_rms_norm(rows, rows, rows[0], 1e-6)
+    hopper_layer.gated_rms_norm_backward(rows, rows, rows[0], 1e-6, rows)
 
 
 @pytest.mark.parametrize("hqk,hv", HEADS)

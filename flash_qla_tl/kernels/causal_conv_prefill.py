@@ -6,10 +6,14 @@ For token t of a sequence that starts at row s(t), channel c and a kernel of wid
     pre[t, c] = bias[c] + sum_{j < W} weight[c, j] x[t - (W - 1) + j, c]      rows before s(t) read as 0
     y[t, c]   = act(pre[t, c])                                             act: SiLU or none
 
-in fp32, rounded once to x's dtype.  x and y are ``[T, C]`` per batch row, the
-layout the projection writes: Transformers' layer transposes the projection's
-output to ``[C, T]`` for ``conv1d`` and back, so reading it as it lies saves both
-copies.
+in fp32, rounded once to x's dtype.  x is ``[T, C]`` per batch row, the layout
+the projection writes: Transformers' layer transposes the projection's output to
+``[C, T]`` for ``conv1d`` and back, so reading it as it lies saves both copies.
+y is written in *planes*: the channels split into consecutive groups (the
+layer's q, k and v), each group stored as its own contiguous ``[B, T, width]``
+tensor, one after the other in one buffer, so the operator reads q, k and v as
+they lie too; one plane of all C channels is the projection's layout.  The
+backward reads dy in the same planes.
 
 The work is a stream over memory (each input read once, each output written
 once), so the kernels are laid out for that: a lane owns ``LANE_CHANNELS``
@@ -48,6 +52,24 @@ def _first_row(T, seq_start, token, length, packed):
     return seq_start[T.max(T.min(token, length - 1), 0)] if packed else 0
 
 
+def check_planes(channels: int, planes: tuple) -> None:
+    """``planes``: the widths of the output's channel groups, whole lanes each, summing to C."""
+    if sum(planes) != channels or any(p <= 0 or p % LANE_CHANNELS for p in planes):
+        raise ValueError(f"planes must be positive multiples of {LANE_CHANNELS} summing to {channels}, got {planes}")
+
+
+def _plane_index(T, planes, batch, length, b, row, c0):
+    """Where the lane vector ``[b, row, c0 : c0 + LANE_CHANNELS]`` lies in the planar buffer, viewed as rows of
+    one vector each: plane p (channels from ``o_p``, ``w_p`` wide) is a ``[B, T, w_p]`` tensor starting at
+    element ``B T o_p``.  A lane's channels lie in one plane (planes are whole lanes)."""
+    index, start = None, sum(planes) // LANE_CHANNELS
+    for plane in reversed([p // LANE_CHANNELS for p in planes]):  # the last plane first: each earlier one is
+        start -= plane                                             # chosen by c0 below its end
+        here = batch * length * start + (b * length + row) * plane + (c0 // LANE_CHANNELS - start)
+        index = here if index is None else T.if_then_else(c0 < (start + plane) * LANE_CHANNELS, here, index)
+    return index
+
+
 def _lane_macros(T, dtype: str, width: int, has_bias: bool):
     """The macros both kernels' lanes are made of, for one config."""
     accum = "float32"
@@ -64,15 +86,25 @@ def _lane_macros(T, dtype: str, width: int, has_bias: bool):
             out[v] = T.cast(raw[v], accum)
 
     @T.macro
-    def store_row(y, b, row, c0, length, values):
-        """``y[b, row, c0 : c0 + LANE_CHANNELS] = values`` rounded to the dtype, by one vector store, if the
-        row lies below ``length``."""
+    def load_flat(src, index, row, length, out):
+        """``out[:] = src[index, :]`` (one vector of a planar buffer) in fp32 by one vector load, zeros where
+        ``row`` lies outside ``[0, length)`` (``index`` is then not read)."""
+        raw = T.alloc_local([LANE_CHANNELS], dtype)
+        for v in T.vectorized(LANE_CHANNELS):
+            raw[v] = T.if_then_else(T.And(row >= 0, row < length), src[index, v], T.cast(0, dtype))
+        for v in T.unroll(LANE_CHANNELS):
+            out[v] = T.cast(raw[v], accum)
+
+    @T.macro
+    def store_flat(dst, index, row, length, values):
+        """``dst[index, :] = values`` rounded to the dtype, by one vector store, if ``row`` lies below
+        ``length``."""
         raw = T.alloc_local([LANE_CHANNELS], dtype)
         for v in T.unroll(LANE_CHANNELS):
             raw[v] = T.cast(values[v], dtype)
         if row < length:
             for v in T.vectorized(LANE_CHANNELS):
-                y[b, row, c0 + v] = raw[v]
+                dst[index, v] = raw[v]
 
     @T.macro
     def load_taps(weight, bias, c0, taps, offset):
@@ -109,11 +141,13 @@ def _lane_macros(T, dtype: str, width: int, has_bias: bool):
             for j in T.unroll(width):
                 pre[v] += T.if_then_else(token - (width - 1) + j >= first, window[j, v] * taps[j, v], T.float32(0))
 
-    return load_row, store_row, load_taps, shift, prime, pre_activation
+    return load_row, load_flat, store_flat, load_taps, shift, prime, pre_activation
 
 
-def build_causal_conv_prefill(channels: int, width: int, dtype: str, has_bias: bool, silu: bool, packed: bool):
-    """``x [B, T, C]``, ``weight [C, W]``, ``bias [C]`` and ``y [B, T, C]`` in ``dtype``; B and T symbolic.
+def build_causal_conv_prefill(channels: int, width: int, dtype: str, has_bias: bool, silu: bool, packed: bool,
+                              planes: tuple):
+    """``x [B, T, C]``, ``weight [C, W]``, ``bias [C]`` and ``y [B T C / LANE_CHANNELS, LANE_CHANNELS]`` (in
+    ``planes``: see the module docstring) in ``dtype``; B and T symbolic.
 
     ``packed``: B = 1 holds several sequences, and ``seq_start [T]`` (int32) is the
     first row of each token's sequence; otherwise each batch row is one sequence
@@ -122,10 +156,10 @@ def build_causal_conv_prefill(channels: int, width: int, dtype: str, has_bias: b
     """
     import tilelang.language as T
 
-    assert channels % LANE_CHANNELS == 0, channels
-    batch, length, starts = T.dynamic("B"), T.dynamic("T"), T.dynamic("S")
+    check_planes(channels, planes)
+    batch, length, starts, planar = T.dynamic("B"), T.dynamic("T"), T.dynamic("S"), T.dynamic("Y")
     accum = "float32"
-    load_row, store_row, load_taps, shift, prime, pre_activation = _lane_macros(T, dtype, width, has_bias)
+    load_row, load_flat, store_flat, load_taps, shift, prime, pre_activation = _lane_macros(T, dtype, width, has_bias)
 
     @T.macro
     def step(x, seq_start, y, b, c0, t0, i, taps, offset, window, row, pre):
@@ -135,7 +169,7 @@ def build_causal_conv_prefill(channels: int, width: int, dtype: str, has_bias: b
         pre_activation(window, taps, offset, t0 + i, _first_row(T, seq_start, t0 + i, length, packed), pre)
         for v in T.unroll(LANE_CHANNELS):
             row[v] = pre[v] * T.sigmoid(pre[v]) if silu else pre[v]
-        store_row(y, b, t0 + i, c0, length, row)
+        store_flat(y, _plane_index(T, planes, batch, length, b, t0 + i, c0), t0 + i, length, row)
 
     @T.prim_func
     def causal_conv_prefill(
@@ -143,7 +177,7 @@ def build_causal_conv_prefill(channels: int, width: int, dtype: str, has_bias: b
         seq_start: T.Tensor([starts], "int32"),
         weight: T.Tensor([channels, width], dtype),
         bias: T.Tensor([channels], dtype),
-        y: T.Tensor([batch, length, channels], dtype),
+        y: T.Tensor([planar, LANE_CHANNELS], dtype),
     ):
         with T.Kernel(T.ceildiv(channels, BLOCK_CHANNELS), T.ceildiv(length, BLOCK_ROWS), batch, threads=WARPS * 32) as (
                 block_c, block_t, b):
@@ -166,15 +200,18 @@ def build_causal_conv_prefill(channels: int, width: int, dtype: str, has_bias: b
 
 
 def build_causal_conv_prefill_backward(channels: int, width: int, dtype: str, has_bias: bool, silu: bool,
-                                       packed: bool):
+                                       packed: bool, planes: tuple):
     """The backward of :func:`build_causal_conv_prefill`'s program of the same config: ``x``, ``seq_start``,
-    ``weight``, ``bias`` as there, ``dy [B, T, C]``; writes ``dx [B, T, C]`` (dtype) and, per program
-    ``n`` of ``BLOCK_ROWS`` tokens, ``dweight_part [B, N, C, W]`` and ``dbias_part [B, N, C]`` (fp32)."""
+    ``weight``, ``bias`` as there, ``dy`` in the output's planes and layout; writes ``dx`` (that layout, one
+    plane: x's; dtype) and, per program ``n`` of ``BLOCK_ROWS`` tokens, ``dweight_part [B, N, C, W]`` and
+    ``dbias_part [B, N, C]`` (fp32)."""
     import tilelang.language as T
 
+    check_planes(channels, planes)
     batch, length, starts, blocks = T.dynamic("B"), T.dynamic("T"), T.dynamic("S"), T.dynamic("N")
+    planar = T.dynamic("Y")
     accum = "float32"
-    load_row, store_row, load_taps, shift, prime, pre_activation = _lane_macros(T, dtype, width, has_bias)
+    load_row, load_flat, store_flat, load_taps, shift, prime, pre_activation = _lane_macros(T, dtype, width, has_bias)
     assert WARPS * 32 == BLOCK_CHANNELS  # the partials' sum: one thread per channel
 
     @T.macro
@@ -189,7 +226,7 @@ def build_causal_conv_prefill_backward(channels: int, width: int, dtype: str, ha
             firsts[j] = firsts[j + 1]
         firsts[width - 1] = _first_row(T, seq_start, u, length, packed)
         pre_activation(window, taps, offset, u, firsts[width - 1], pre)
-        load_row(dy, b, u, c0, length, row)  # 0 past T: dpre too
+        load_flat(dy, _plane_index(T, planes, batch, length, b, u, c0), u, length, row)  # 0 past T: dpre too
         if silu:  # SiLU' = s (1 + pre (1 - s)), s = sigmoid(pre)
             for v in T.unroll(LANE_CHANNELS):
                 row[v] = row[v] * T.sigmoid(pre[v]) * (1 + pre[v] * (1 - T.sigmoid(pre[v])))
@@ -206,7 +243,8 @@ def build_causal_conv_prefill_backward(channels: int, width: int, dtype: str, ha
                 for j in T.unroll(width):
                     row[v] += T.if_then_else(firsts[width - 1 - j] <= u - (width - 1),
                                              taps[j, v] * dpre[width - 1 - j, v], T.float32(0))
-            store_row(dx, b, u - (width - 1), c0, length, row)
+            store_flat(dx, _plane_index(T, (channels,), batch, length, b, u - (width - 1), c0), u - (width - 1),
+                       length, row)
 
     @T.prim_func
     def causal_conv_prefill_backward(
@@ -214,8 +252,8 @@ def build_causal_conv_prefill_backward(channels: int, width: int, dtype: str, ha
         seq_start: T.Tensor([starts], "int32"),
         weight: T.Tensor([channels, width], dtype),
         bias: T.Tensor([channels], dtype),
-        dy: T.Tensor([batch, length, channels], dtype),
-        dx: T.Tensor([batch, length, channels], dtype),
+        dy: T.Tensor([planar, LANE_CHANNELS], dtype),
+        dx: T.Tensor([planar, LANE_CHANNELS], dtype),
         dweight_part: T.Tensor([batch, blocks, channels, width], accum),
         dbias_part: T.Tensor([batch, blocks, channels], accum),
     ):

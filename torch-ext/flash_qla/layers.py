@@ -122,17 +122,21 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         a = self.in_proj_a(hidden_states)
 
         conv_weight = self.conv1d.weight.squeeze(1)
-        if conv_state is not None and seq_len == 1 and not cache_params.is_recording_past(self.layer_idx):
-            mixed_qkv = causal_conv1d_update(mixed_qkv, conv_state, conv_weight, self.conv1d.bias, self.activation)
+        planes = (self.key_dim, self.key_dim, self.value_dim)
+        if cache_params is None:  # q, k and v each written contiguous (by the Hopper kernel), no copies after
+            query, key, value = causal_conv1d(mixed_qkv, conv_weight, self.conv1d.bias, self.activation, cu_seqlens,
+                                              planes)
         else:
-            if cache_params is not None:  # prepends the cached window (or zeros), which the conv reads
+            if conv_state is not None and seq_len == 1 and not cache_params.is_recording_past(self.layer_idx):
+                mixed_qkv = causal_conv1d_update(mixed_qkv, conv_state, conv_weight, self.conv1d.bias,
+                                                 self.activation)
+            else:  # prepends the cached window (or zeros), which the conv reads
                 mixed_qkv = cache_params.update_conv_state(
                     mixed_qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size
                 )
-            mixed_qkv = causal_conv1d(mixed_qkv, conv_weight, self.conv1d.bias, self.activation, cu_seqlens)
-            mixed_qkv = mixed_qkv[:, :, -seq_len:]  # this call's tokens only
-
-        query, key, value = torch.split(mixed_qkv.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], -1)
+                mixed_qkv = causal_conv1d(mixed_qkv, conv_weight, self.conv1d.bias, self.activation, cu_seqlens)
+                mixed_qkv = mixed_qkv[:, :, -seq_len:]  # this call's tokens only
+            query, key, value = torch.split(mixed_qkv.transpose(1, 2), list(planes), -1)
         query = query.reshape(batch_size, seq_len, -1, self.head_k_dim)
         key = key.reshape(batch_size, seq_len, -1, self.head_k_dim)
         value = value.reshape(batch_size, seq_len, -1, self.head_v_dim)
