@@ -14,7 +14,10 @@ beta and the initial state for fixed output and final-state gradients,
 ``torch.autograd.grad`` on that graph, are captured and replayed.  ``diff``: each
 library's gradients against ours (largest relative RMS over the six; the GPU
 tests check ours against float64).  "ours / floor" uses DESIGN.md's backward
-FLOPs (about 510 k per token-head).
+FLOPs (about 510 k per token-head).  ``fwd_bwd_ms`` (in the JSON rows): the
+forward with autograd and its backward captured together, what a training step
+pays for the operator, so that work a library's training forward does for its
+backward (keeping its chunk inverses) shows too.
 """
 
 from __future__ import annotations
@@ -62,6 +65,17 @@ def backward_step(fn, x, grads, l2norm=True):
     return lambda: torch.autograd.grad([o, ht], leaves, grads, retain_graph=True)
 
 
+def training_step(fn, x, grads, l2norm=True):
+    """A call that runs the forward with autograd and takes all input gradients: both under one capture
+    (fresh leaves each call, so the graph's nodes live on the capturing stream)."""
+    def step():
+        leaves = [x[n].detach().requires_grad_() for n in INPUTS]
+        o, ht = fn(*leaves[:5], initial_state=leaves[5], cu_seqlens=x["cu_seqlens"], output_final_state=True,
+                   use_qk_l2norm_in_kernel=l2norm)
+        return torch.autograd.grad([o, ht], leaves, grads)
+    return step
+
+
 def run(grid, libs, ceilings, save, check=True):
     """Time every config and mode; ``save(rows)`` after each, so a cut-off run keeps what it measured.
 
@@ -76,7 +90,7 @@ def run(grid, libs, ceilings, save, check=True):
                  torch.randn(parts, hv, 128, 128, device="cuda", generator=gen) * 0.01]
         name = f"{total}: " + "+".join(map(str, seqs)) if parts > 1 else f"1x{total}"
         row = {"hqk": hqk, "hv": hv, "lengths": name, "mode": mode, "tokens": total,
-               "ms": {}, "host_us": {}, "diff": {}, "peak_gb": {}}
+               "ms": {}, "host_us": {}, "diff": {}, "peak_gb": {}, "fwd_bwd_ms": {}}
         ours = None
         for lib, fn in libs.items():
             try:
@@ -92,6 +106,10 @@ def run(grid, libs, ceilings, save, check=True):
                 row["ms"][lib] = graph_ms(step)
                 row["host_us"][lib] = host_us(step)
                 del step
+                try:  # apart: a training step that cannot be captured leaves the backward's time standing
+                    row["fwd_bwd_ms"][lib] = graph_ms(training_step(fn, x, grads, mode == "l2norm"))
+                except Exception as e:
+                    row["fwd_bwd_ms"][lib] = f"{type(e).__name__}: {e}"[:160]
             except Exception as e:  # a peer that fails a config is reported, not hidden
                 row["ms"][lib] = row["host_us"][lib] = None
                 row["diff"][lib] = f"{type(e).__name__}: {e}"[:160]
@@ -99,7 +117,8 @@ def run(grid, libs, ceilings, save, check=True):
         row["ns_per_token_head"] = {lib: (ms * 1e6 / th if ms else None) for lib, ms in row["ms"].items()}
         row["floor_ns"] = floor_ns_per_token_head(hqk, hv, ceilings, FLOP_PER_TOKEN_HEAD)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("hqk", "hv", "lengths", "mode", "ms", "diff", "peak_gb")}), flush=True)
+        print(json.dumps({k: row[k] for k in ("hqk", "hv", "lengths", "mode", "ms", "fwd_bwd_ms", "diff", "peak_gb")}),
+              flush=True)
         save(rows)
         del x, ours
     return rows

@@ -10,7 +10,8 @@ the projection's output ``[B, T, C]`` handed over as its ``[B, C, T]`` transpose
 norm runs on ``T Hv`` rows of 128 (the operator's output, gates from their own
 projection).  Columns, each on the same inputs in one process, CUDA-graph replay
 (``timing.graph_ms``), the forward alone and forward + backward (the gradients of
-every input and weight):
+every input and weight), and apart from those the host's microseconds of one eager
+call of each (``timing.host_us``), which a graph never pays:
 
 * conv: ``flash-qla-tl`` (``hopper_layer.CausalConvPrefill``); ``torch``, Transformers'
   path without a conv package (``conv1d`` with groups = C and padding 3 on the
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flash_qla_tl.hopper_layer import CausalConvPrefill, GatedRMSNorm  # noqa: E402
 from flash_qla_tl.reference import causal_conv1d, gated_rms_norm  # noqa: E402
-from timing import graph_ms, versions  # noqa: E402
+from timing import graph_ms, host_us, versions  # noqa: E402
 
 HEADS = {"qwen3.5-9b": (16, 32), "qwen3.5-27b": (16, 48)}  # (Hqk, Hv), head dim 128
 WIDTH = 4
@@ -99,7 +100,8 @@ def run_row(kernel: str, shape: str, row: str, device: str) -> dict:
     leaves = [t.detach().double().requires_grad_() for t in inputs]
     want = reference(*leaves)
     want = (want.detach(), *(g.detach() for g in torch.autograd.grad(want, leaves, dy.double())))
-    result = {"kernel": kernel, "shape": shape, "lengths": row, "fwd_ms": {}, "fwd_bwd_ms": {}, "error": {}}
+    result = {"kernel": kernel, "shape": shape, "lengths": row, "fwd_ms": {}, "fwd_bwd_ms": {}, "host_us": {},
+              "error": {}}
     timed = {}
     for name, fn in columns.items():
         args = [t.detach().requires_grad_() for t in inputs]
@@ -122,7 +124,9 @@ def run_row(kernel: str, shape: str, row: str, device: str) -> dict:
         try:  # a column that cannot be captured (a host sync) is reported, the others still timed
             with torch.no_grad():
                 result["fwd_ms"][name] = graph_ms(lambda: fn(*inputs))
+                host_fwd = host_us(lambda: fn(*inputs))
             result["fwd_bwd_ms"][name] = graph_ms(fwd_bwd)
+            result["host_us"][name] = [host_fwd, host_us(fwd_bwd)]
         except RuntimeError as e:
             print(f"{name} {kernel} {shape} {row}: not timed ({type(e).__name__}: {str(e).splitlines()[0]})")
         torch.cuda.empty_cache()
@@ -134,10 +138,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
         mine = [r for r in rows if r["kernel"] == kernel]
         names = list(dict.fromkeys(n for r in mine for n in r["error"]))
-        lines += ["", f"{kernel}:", "", "| shape | lengths | " + " | ".join(f"{n} fwd ms | {n} fwd+bwd ms" for n in names)
-                  + " | worst relative RMS (outputs, gradients) |", "|---" * (2 + 2 * len(names) + 1) + "|"]
+        lines += ["", f"{kernel}:", "", "| shape | lengths | " + " | ".join(
+            f"{n} fwd ms | {n} fwd+bwd ms | {n} host us (fwd, fwd+bwd)" for n in names)
+            + " | worst relative RMS (outputs, gradients) |", "|---" * (2 + 3 * len(names) + 1) + "|"]
         for r in mine:
-            cells = [f"{r['fwd_ms'].get(n, float('nan')):.3f} | {r['fwd_bwd_ms'].get(n, float('nan')):.3f}"
+            host = lambda n: "{:.0f}, {:.0f}".format(*r["host_us"][n]) if n in r.get("host_us", {}) else "-"  # noqa: E731
+            cells = [f"{r['fwd_ms'].get(n, float('nan')):.3f} | {r['fwd_bwd_ms'].get(n, float('nan')):.3f} | {host(n)}"
                      for n in names]
             worst = max(max(e) for e in r["error"].values())
             lines.append(f"| {r['shape']} | {r['lengths']} | " + " | ".join(cells) + f" | {worst:.1e} |")

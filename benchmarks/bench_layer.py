@@ -338,13 +338,17 @@ def main():
         args.json.write_text(json.dumps(run_worker(args.worker, args.shapes[0], args.lengths, args.device,
                                                    args.reps)))
         return
-    columns = [run_column(variant, shape, args) for shape in args.shapes for variant in args.columns]
     meta = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
             "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]), **versions()}
-    report = markdown(columns, args.shapes, args.lengths, meta)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "layer.json").write_text(json.dumps({"meta": meta, "columns": columns}, indent=1))
-    (args.out / "layer.md").write_text(report)
+    columns = []
+    for shape in args.shapes:
+        for variant in args.columns:
+            columns.append(run_column(variant, shape, args))
+            # rewritten after each column: a run cut off (a lent GPU's time running out) keeps what it measured
+            report = markdown(columns, args.shapes, args.lengths, meta)
+            (args.out / "layer.json").write_text(json.dumps({"meta": meta, "columns": columns}, indent=1))
+            (args.out / "layer.md").write_text(report)
     print(report)
 
 
