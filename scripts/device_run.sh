@@ -32,12 +32,12 @@ for step in $steps; do
     warm)  # WARM_HEADS' programs (every flag, forward and backward) side by side before a benchmark of them
       python scripts/precompile.py --heads ${WARM_HEADS:?HqkxHv,...} --all-flags --kernels forward,backward --jobs 15 \
         2>&1 | grep -v INFO | tail -1 ;;
-    layertests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_layer.py \
+    layertests) timeout 420 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_layer.py \
         ${LAYER_TESTS_K:+-k "$LAYER_TESTS_K"} 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -30 ;;
     hubtests) # the hub package's layer, ops and models on the GPU (the tiny models' programs first)
       python scripts/precompile.py --heads 2x4 --all-flags --kernels forward,backward,decode --jobs 15 2>&1 \
         | grep -v INFO | tail -1
-      timeout 540 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hub.py 2>&1 \
+      timeout 540 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hub.py 2>&1 \
         | tee "$OUT/gpu-tests-hub.log" | tail -30 ;;
     glue)  python benchmarks/bench_glue.py --out "$OUT/glue" ${GLUE_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/glue.log" | tail -30 ;;
     decode) # the decoding kernel: its programs side by side, its GPU tests, then bench_decode.py
@@ -59,7 +59,7 @@ for step in $steps; do
     tests) # the slowest tests listed (a first call compiles the programs the cache lacks)
            timeout 540 python -m pytest -m gpu -q -rf --durations=15 --timeout 300 --timeout-method thread tests 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40 ;;
-    bwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_backward.py 2>&1 \
+    bwdtests) timeout 420 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_backward.py 2>&1 \
              | tee "$OUT/gpu-tests-backward.log" | tail -30 ;;
     plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | grep -v INFO \
              | tee "$OUT/plans.log" | tail -40 ;;
