@@ -3,8 +3,9 @@
 ``chunk_gated_delta_rule`` is the entry point for prefill and training.  It
 validates, then runs :class:`ChunkGatedDeltaRule`, whose forward and backward
 are the low-level :func:`chunk_gated_delta_rule_fwd` (as
-:func:`chunk_forward_and_segments`, which also hands the backward the segments
-of a context-parallel forward) / :func:`chunk_gated_delta_rule_bwd`.  ``fused_recurrent_gated_delta_rule``
+:func:`chunk_forward_and_kept`, which also hands the backward what it need not
+redo: the segments of a context-parallel forward, chunk_prep's outputs) /
+:func:`chunk_gated_delta_rule_bwd`.  ``fused_recurrent_gated_delta_rule``
 (decoding) runs :func:`fused_recurrent_gated_delta_rule_fwd`, and for
 gradients :class:`RecurrentGatedDeltaRule`, whose backward is the chunked one.
 Those three are the only places that choose an implementation, so a new kernel
@@ -33,47 +34,49 @@ def forward_backend(q, k, v) -> str:
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
     """Forward on validated inputs: ``(o, final_state or None)``."""
-    o, final_state, _ = chunk_forward_and_segments(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                   use_qk_l2norm_in_kernel, cu_seqlens)
+    o, final_state, _ = chunk_forward_and_kept(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                               use_qk_l2norm_in_kernel, cu_seqlens)
     return o, final_state
 
 
-def chunk_forward_and_segments(q, k, v, g, beta, scale, initial_state, output_final_state,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+def chunk_forward_and_kept(q, k, v, g, beta, scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, for_backward=False):
     """:func:`chunk_gated_delta_rule_fwd` that also returns what its backward reuses:
-    ``(o, final_state, segments)``, ``segments`` the ``hopper_forward.SegmentStates`` of a
-    Hopper forward run in segments (context parallelism) where the backward's walks take them
-    (``hopper_backward.walks_take_forward_segments``), else None."""
+    ``(o, final_state, kept)``, ``kept`` a ``hopper_forward.ForwardKept`` of a Hopper forward: the
+    segments of a forward run in segments (context parallelism) where the backward's walks take them
+    (``hopper_backward.walks_take_forward_segments``), and with ``for_backward`` (a backward will
+    follow) chunk_prep's outputs; else None."""
     if forward_backend(q, k, v) == "hopper":
-        o, final_state, segments = hopper_forward.chunk_forward(
+        o, final_state, kept = hopper_forward.chunk_forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            return_segments=True)
-        kept = segments is not None and _backward_takes_segments(q, v, cu_seqlens)
-        return o, final_state, segments if kept else None
+            return_kept=True, keep_prepared=for_backward)
+        if kept.segments is not None and not _backward_takes_segments(q, v, cu_seqlens):
+            kept = hopper_forward.ForwardKept(None, kept.prepared)
+        return o, final_state, kept
     return (*reference.chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 use_qk_l2norm_in_kernel, cu_seqlens), None)
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, segments=None):
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, kept=None):
     """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of the forward for output grads ``do`` and ``dht``.
 
     ``dht`` (the final state's gradient) and ``initial_state`` may be None; ``dh0``
     is None when ``initial_state`` is.  Where the forward runs the Hopper kernels,
     so does the backward (``hopper_backward.py``); everywhere else it is the
     chunked backward in PyTorch (``chunked_backward.py``, gradients written out).
-    ``segments``: what the Hopper forward of these inputs kept
-    (:func:`chunk_forward_and_segments`), or None.
+    ``kept``: what the Hopper forward of these inputs kept (:func:`chunk_forward_and_kept`), or None.
     """
     if forward_backend(q, k, v) == "hopper":
+        kept = kept or hopper_forward.ForwardKept()
         return hopper_backward.chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
-                                              use_qk_l2norm_in_kernel, cu_seqlens, segments)
+                                              use_qk_l2norm_in_kernel, cu_seqlens, kept.segments, kept.prepared)
     return chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
                                              use_qk_l2norm_in_kernel, cu_seqlens)
 
 
 def kept_segment_shapes(q, k, v, cu_seqlens=None) -> tuple[tuple, tuple] | None:
-    """The shapes ``(entry, transition)`` of the segments :func:`chunk_forward_and_segments` keeps for
+    """The shapes ``(entry, transition)`` of the segments :func:`chunk_forward_and_kept` keeps for
     such inputs, or None where it keeps none; from shapes alone, no kernel runs (a custom op's fake
     implementation)."""
     if forward_backend(q, k, v) != "hopper" or not _backward_takes_segments(q, v, cu_seqlens):
@@ -82,13 +85,23 @@ def kept_segment_shapes(q, k, v, cu_seqlens=None) -> tuple[tuple, tuple] | None:
     return hopper_forward.kept_segment_shapes(total, num_seqs, v.shape[2], k.shape[3], v.shape[3], q.device)
 
 
-def segments_from_tensors(q, v, cu_seqlens, entry, transition):
-    """``hopper_forward.SegmentStates`` from the entry states and transitions a custom op carried from its
-    forward to its backward (``chunk_forward_and_segments``' segments; empty tensors: none)."""
-    if entry.numel() == 0:
+def kept_prepared_shapes(q, k, v, cu_seqlens=None) -> list[tuple[tuple, torch.dtype]] | None:
+    """``(shape, dtype)`` of each tensor of chunk_prep's outputs :func:`chunk_forward_and_kept` keeps with
+    ``for_backward`` for such inputs, or None where it keeps none (not on the Hopper kernels)."""
+    if forward_backend(q, k, v) != "hopper":
         return None
-    plan = hopper_forward.plan_state_pass(*_tokens_and_sequences(q, cu_seqlens), v.shape[2], q.device)
-    return hopper_forward.SegmentStates(plan, entry, transition)
+    shapes = hopper_forward.kept_prepared_shapes(_tokens_and_sequences(q, cu_seqlens)[0], k.shape[2], v.shape[2])
+    return [(shape, torch.float32 if i < 3 else q.dtype) for i, shape in enumerate(shapes)]
+
+
+def kept_from_tensors(q, v, cu_seqlens, entry, transition, prepared) -> hopper_forward.ForwardKept:
+    """``hopper_forward.ForwardKept`` from the tensors a custom op carried from its forward to its
+    backward (:func:`chunk_forward_and_kept`'s; empty tensors: none kept)."""
+    segments = None
+    if entry.numel():
+        plan = hopper_forward.plan_state_pass(*_tokens_and_sequences(q, cu_seqlens), v.shape[2], q.device)
+        segments = hopper_forward.SegmentStates(plan, entry, transition)
+    return hopper_forward.ForwardKept(segments, tuple(prepared) if prepared[0].numel() else None)
 
 
 def _backward_takes_segments(q, v, cu_seqlens) -> bool:
@@ -104,9 +117,9 @@ def _tokens_and_sequences(q, cu_seqlens) -> tuple[int, int]:
     return batch * length, batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def recurrent_forward_and_segments(*args):
-    """:func:`fused_recurrent_gated_delta_rule_fwd` returning as :func:`chunk_forward_and_segments` does
-    (no segments)."""
+def recurrent_forward_and_kept(*args, for_backward=False):
+    """:func:`fused_recurrent_gated_delta_rule_fwd` returning as :func:`chunk_forward_and_kept` does
+    (nothing kept: its backward, the chunked one, runs chunk_prep itself)."""
     return (*fused_recurrent_gated_delta_rule_fwd(*args), None)
 
 
@@ -132,37 +145,46 @@ def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state,
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
-    forward_fn = staticmethod(chunk_forward_and_segments)
+    forward_fn = staticmethod(chunk_forward_and_kept)
 
     @classmethod
     def forward(cls, ctx, q, k, v, g, beta, scale, initial_state, output_final_state,
-                use_qk_l2norm_in_kernel, cu_seqlens):
-        o, final_state, segments = cls.forward_fn(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+                use_qk_l2norm_in_kernel, cu_seqlens, for_backward):
+        # for_backward: whether a backward can follow (grad mode on and an input asking for a gradient),
+        # which the forward cannot tell by itself: it runs without grad mode, and its ctx.needs_input_grad
+        # is set under torch.no_grad too.
+        o, final_state, kept = cls.forward_fn(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            for_backward=for_backward,
         )
-        # The segments' tensors are saved like the inputs, so that activation checkpointing
-        # drops and recomputes them too.
-        kept = (None, None) if segments is None else (segments.entry, segments.transition)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *kept)
+        # What the forward kept is saved like the inputs, so that activation checkpointing
+        # drops and recomputes it too.
+        segments = None if kept is None else kept.segments
+        prepared = (None,) * len(hopper_forward.PREPARED_FIELDS) if kept is None or kept.prepared is None \
+            else kept.prepared
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens,
+                              *((None, None) if segments is None else (segments.entry, segments.transition)),
+                              *prepared)
         ctx.scale, ctx.use_qk_l2norm_in_kernel = scale, use_qk_l2norm_in_kernel
         ctx.segment_plan = None if segments is None else segments.plan
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens, entry, transition = ctx.saved_tensors
-        segments = None if entry is None else hopper_forward.SegmentStates(ctx.segment_plan, entry, transition)
+        q, k, v, g, beta, initial_state, cu_seqlens, entry, transition, *prepared = ctx.saved_tensors
+        kept = hopper_forward.ForwardKept(
+            None if entry is None else hopper_forward.SegmentStates(ctx.segment_plan, entry, transition),
+            None if prepared[0] is None else tuple(prepared))
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g, beta, ctx.scale, initial_state, do, dht, ctx.use_qk_l2norm_in_kernel, cu_seqlens,
-            segments
+            q, k, v, g, beta, ctx.scale, initial_state, do, dht, ctx.use_qk_l2norm_in_kernel, cu_seqlens, kept
         )
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None
 
 
 class RecurrentGatedDeltaRule(ChunkGatedDeltaRule):
     """The token recurrence on Hopper forward; the backward is the chunked one (same function, exactly)."""
 
-    forward_fn = staticmethod(recurrent_forward_and_segments)
+    forward_fn = staticmethod(recurrent_forward_and_kept)
 
 
 def chunk_gated_delta_rule(
@@ -191,7 +213,8 @@ def chunk_gated_delta_rule(
     check_kwargs(kwargs)
     check_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     return ChunkGatedDeltaRule.apply(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+        requires_grad(q, k, v, g, beta, initial_state),
     )
 
 
@@ -232,7 +255,8 @@ def fused_recurrent_gated_delta_rule(
         g, beta = reference.layer_gates(g, beta, A_log, dt_bias, use_beta_sigmoid_in_kernel)
         if forward_backend(q, k, v) == "hopper":
             return RecurrentGatedDeltaRule.apply(
-                q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+                q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                True)
         return reference.recurrent_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     o, final_state = fused_recurrent_gated_delta_rule_fwd(

@@ -3,9 +3,10 @@
 ``chunked_backward.py`` is the backward written out: two walks over each
 sequence's chunks, then gradients local to every chunk.  Here:
 
-1. ``prepare_chunks`` (with ``A0`` stored) and one forward state pass with
+1. ``prepare_chunks`` (with ``A0`` stored; nothing runs where the forward kept
+   chunk_prep's outputs, ``hopper_forward.ForwardKept``) and one forward state pass with
    ``store_chunk_states``: the state entering every chunk is recomputed
-   (the forward keeps nothing per chunk; a forward run in segments keeps each
+   (the forward keeps no state per chunk; a forward run in segments keeps each
    segment's entry state and transition, 2 x 64 KB per segment and head, so
    that this pass runs in its segments from them);
 2. ``reverse_state_pass``: the state gradient walked backwards, giving ``dU``
@@ -110,7 +111,7 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
     segments, both walks do (``context_parallel.chain_segments``; the reverse one
     scans the segments backwards), and the states' slots are the segments':
     ``chunk_table`` is the table whose slots they use.  ``segments``: the forward
-    ran in segments and kept them (``api.chunk_forward_and_segments`` keeps them where
+    ran in segments and kept them (``api.chunk_forward_and_kept`` keeps them where
     :func:`walks_take_forward_segments`): the walks take its segments
     (:func:`plan_walks_in_segments`), the recompute is one pass from its entry states,
     and the reverse pass's transitions are its, transposed.
@@ -211,14 +212,15 @@ def kernel_local_gradients(ops: hopper_forward.ChunkOperands, do_packed, states,
 
 
 def chunk_backward(q, k, v, g, beta, scale, initial_state, do, dht,
-                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, segments=None):
-    """The backward on Hopper; same contract as ``api.chunk_gated_delta_rule_bwd``."""
+                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, segments=None, prepared=None):
+    """The backward on Hopper; same contract as ``api.chunk_gated_delta_rule_bwd``, with what the forward
+    kept (``hopper_forward.ForwardKept``) as ``segments`` and ``prepared``."""
     batch, length = v.shape[:2]
     if batch * length == 0:
         return chunked_gated_delta_rule_backward(q, k, v, g, beta, scale, initial_state, do, dht,
                                                  use_qk_l2norm_in_kernel, cu_seqlens)
     ops = hopper_forward.prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
-                                        store_inverse=True)
+                                        store_inverse=True, prepared=prepared)
     do_packed = hopper_forward.packed_tokens(do.to(q.dtype))
     h0 = None if initial_state is None else initial_state.float().contiguous()
     states, state_grads, du, dh0, chunk_table = kernel_walks(ops, do_packed, h0, dht, segments)

@@ -165,10 +165,17 @@ class ChunkOperands:
         return self.q.shape[1], self.v.shape[1], self.q.shape[2], self.v.shape[2], self.dtype
 
 
+# chunk_prep's outputs (and the queries' inverse norms) in the order a training forward hands them to its
+# backward (:class:`ForwardKept`), by their ChunkOperands field names: the backward then runs neither kernel.
+PREPARED_FIELDS = ("q_norm", "k_norm", "gamma", "a_keys", "a_values", "a_inverse")
+
+
 def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=False,
-                   store_keys=True) -> ChunkOperands:
+                   store_keys=True, prepared: tuple | None = None) -> ChunkOperands:
     """Steps 0 and 1 of the module docstring on non-empty validated inputs (``store_inverse``: keep A0 too;
-    ``store_keys``: A_keys, which the backward and the state passes that form Kbar in prep read)."""
+    ``store_keys``: A_keys, which the backward and the state passes that form Kbar in prep read).
+    ``prepared``: the tensors of ``PREPARED_FIELDS`` a forward of the same inputs made with both
+    (:func:`chunk_forward`'s ``keep_prepared``); then no kernel runs."""
     from .kernels.chunk_prep import build_chunk_prep
     from .kernels.compile import compile_program
     from .kernels.inverse_norms import build_inverse_norms, padded_heads
@@ -184,6 +191,11 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
         chunks = planning.table(planning.chunk_table, cu_seqlens, total)
     plan_offsets, cu_seqlens = cu_seqlens, cu_seqlens.to(torch.int32)
     q, k, v = packed_tokens(q), packed_tokens(k), packed_tokens(v)
+    g, beta = packed_tokens(g).float(), packed_tokens(beta).float()
+    operands = lambda *made: ChunkOperands(q, k, v, *made[:2], beta, *made[2:], cu_seqlens, chunks,  # noqa: E731
+                                           plan_offsets, reference.query_scale(scale, kdim), dtype)
+    if prepared is not None:
+        return operands(*prepared)
     # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm.
     # With it, chunk_prep writes k's (it reads every key row anyway); like gamma's, the rows past
     # the last sequence (a token axis padded under capture) stay unwritten, and every pass
@@ -194,7 +206,6 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
         compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
     else:
         q_norm = k_norm = torch.ones(norm_shape, dtype=torch.float32, device=device)
-    g, beta = packed_tokens(g).float(), packed_tokens(beta).float()
 
     gamma = torch.empty(total, padded_heads(hv), dtype=torch.float32, device=device)
     a_values = torch.empty(total, hv, 64, dtype=q.dtype, device=device)
@@ -205,8 +216,7 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     unused = placeholder((1, hv, 64), q.dtype, device)
     prep(k, k_norm, g, beta, chunks, gamma, unused if a_keys is None else a_keys, a_values,
          unused if a_inverse is None else a_inverse)
-    return ChunkOperands(q, k, v, q_norm, k_norm, beta, gamma, a_keys, a_values, a_inverse, cu_seqlens, chunks,
-                         plan_offsets, reference.query_scale(scale, kdim), dtype)
+    return operands(q_norm, k_norm, gamma, a_keys, a_values, a_inverse)
 
 
 def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: StatePassPlan, chunk_states=None):
@@ -253,6 +263,31 @@ class SegmentStates:
     transition: torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardKept:
+    """What a forward hands its backward: the :class:`SegmentStates` of a pass run in segments where the
+    backward's walks take them (else None), and, where the forward was asked (``keep_prepared``: it runs
+    for training), chunk_prep's outputs, the tensors of ``PREPARED_FIELDS`` (else None: the backward runs
+    chunk_prep itself).  The backward then repeats no step of the forward but the state pass: chunk_prep
+    was 7-10% of its time (H100 graph timelines, notes/backward-budget.md item 18), and FlashQLA's
+    forward keeps its inverse and gate cumsum for its backward too (notes/peer-designs-backward.md).
+    The price is memory: 388 B per token and value head in bf16 (three 64-wide matrices and the gate
+    cumsum; FlashQLA keeps one matrix, 132 B) beside the inputs the backward keeps anyway."""
+
+    segments: SegmentStates | None = None
+    prepared: tuple | None = None
+
+
+def kept_prepared_shapes(total_tokens: int, num_qk_heads: int, num_v_heads: int) -> list[tuple]:
+    """Shapes of the ``PREPARED_FIELDS`` tensors a forward of ``total_tokens`` keeps (fp32 for the norms and
+    gamma, q's dtype for the three matrices)."""
+    from .kernels.inverse_norms import padded_heads
+
+    norms = (total_tokens, padded_heads(num_qk_heads))
+    matrix = (total_tokens, num_v_heads, 64)
+    return [norms, norms, (total_tokens, padded_heads(num_v_heads)), matrix, matrix, matrix]
+
+
 def kept_segment_shapes(total_tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
                         device: torch.device) -> tuple[tuple, tuple] | None:
     """The shapes of :class:`SegmentStates`' entry states and transitions that :func:`chunk_forward` keeps
@@ -266,17 +301,18 @@ def kept_segment_shapes(total_tokens: int, num_seqs: int, num_v_heads: int, head
 
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, plan: StatePassPlan | None = None,
-                  return_segments: bool = False):
+                  return_kept: bool = False, keep_prepared: bool = False):
     """The forward on Hopper; same contract as ``api.chunk_gated_delta_rule_fwd``.
 
     ``plan`` overrides :func:`plan_state_pass` (benchmarks compare plans with it).
-    ``return_segments``: return ``(o, final_state, segments)``, ``segments`` the
-    :class:`SegmentStates` of a pass run in segments, else None.
+    ``return_kept``: return ``(o, final_state, kept)``, ``kept`` a :class:`ForwardKept` with the
+    :class:`SegmentStates` of a pass run in segments (else None) and, with ``keep_prepared``,
+    chunk_prep's outputs as the backward's prep would make them (A0 and A_keys written too).
     """
     batch, length, _, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
     num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    returned = lambda o, ht, segments=None: (o, ht, segments) if return_segments else (o, ht)
+    returned = lambda o, ht, kept=ForwardKept(): (o, ht, kept) if return_kept else (o, ht)  # noqa: E731
     if batch * length == 0:
         o = v.new_zeros(v.shape)
         ht = (initial_state.float().clone() if initial_state is not None
@@ -284,8 +320,9 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         return returned(o, ht if output_final_state else None)
     total = batch * length
     plan = plan or plan_state_pass(total, num_seqs, hv, v.device)
-    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
-                         store_keys=value_correction(plan) == "kbar_loaded")
+    # what the backward's prepare_chunks would make, where it is to be kept: the same program, the same bits
+    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=keep_prepared,
+                         store_keys=keep_prepared or value_correction(plan) == "kbar_loaded")
     device = ops.v.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
@@ -301,7 +338,9 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         chain = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
         ht, segments = chain.final, SegmentStates(plan, chain.entry, chain.transition)
     zero_rows_past_last_sequence(o, ops.cu_seqlens)
-    return returned(o.view(batch, length, hv, vdim), ht if output_final_state else None, segments)
+    prepared = tuple(getattr(ops, name) for name in PREPARED_FIELDS) if keep_prepared else None
+    return returned(o.view(batch, length, hv, vdim), ht if output_final_state else None,
+                    ForwardKept(segments, prepared))
 
 
 def zero_rows_past_last_sequence(out: torch.Tensor, cu_seqlens: torch.Tensor) -> None:

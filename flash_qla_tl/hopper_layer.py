@@ -152,8 +152,9 @@ def causal_conv1d_prefill_backward(x, weight, bias, activation, cu_seqlens, dy, 
     batch, channels, length = x.shape
     blocks = -(-length // BLOCK_ROWS)
     dx = torch.empty_like(x.transpose(1, 2))
-    dweight_part = torch.zeros(batch, blocks, channels, weight.shape[-1], dtype=torch.float32, device=x.device)
-    dbias_part = torch.zeros(batch, blocks, channels, dtype=torch.float32, device=x.device)
+    # every program writes its partials of every channel (empty when x is: then the sums are zeros)
+    dweight_part = torch.empty(batch, blocks, channels, weight.shape[-1], dtype=torch.float32, device=x.device)
+    dbias_part = torch.empty(batch, blocks, channels, dtype=torch.float32, device=x.device)
     if x.numel():
         config = conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None, planes)
         compile_program(build_causal_conv_prefill_backward, *config)(

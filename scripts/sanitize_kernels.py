@@ -167,11 +167,11 @@ def main():
         for plan in (hopper_forward.StatePassPlan(32, 256), hopper_forward.StatePassPlan(128, 256),
                      hopper_forward.StatePassPlan(128, 64)):
             reverse = hopper_backward.plan_walks_in_segments(sum(SEQS), hv, plan, x["v"].device)[1]
-            *_, segments = hopper_forward.chunk_forward(**x, scale=None, output_final_state=True,
-                                                        use_qk_l2norm_in_kernel=True, plan=plan, return_segments=True)
+            *_, kept = hopper_forward.chunk_forward(**x, scale=None, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True, plan=plan, return_kept=True)
             runs[f"backward in the forward's segments {plan}, reverse {reverse}"] = hopper_backward.chunk_backward(
                 *(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"], do.to(o.dtype), dht,
-                True, x["cu_seqlens"], segments)
+                True, x["cu_seqlens"], kept.segments)
         for name, grads in runs.items():
             errors = {n: rel_rms(g, r) for n, g, r in zip(names, grads, ref_grads)}
             print(f"({hqk},{hv}) {name}: relative RMS " + ", ".join(f"d{n} {e:.2e}" for n, e in errors.items()),

@@ -217,7 +217,8 @@ def test_inference_mode_with_packed_sequences():
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
 def test_the_forwards_segments_reach_its_backward(checkpointed, monkeypatch):
-    """What a forward run in segments keeps (``hopper_forward.SegmentStates``) reaches its backward; under
+    """What a forward run in segments keeps (``hopper_forward.SegmentStates`` in a ``ForwardKept``) reaches its
+    backward; under
     non-reentrant activation checkpointing as a recomputed copy (it is saved like the inputs, so
     checkpointing drops it).  The Hopper functions are stood in for on the CPU."""
     from flash_qla_tl import api, hopper_forward
@@ -225,10 +226,11 @@ def test_the_forwards_segments_reach_its_backward(checkpointed, monkeypatch):
     plan = hopper_forward.StatePassPlan(128, 2048)
     made, handed = [], []
 
-    def forward(*args):
+    def forward(*args, for_backward):
+        assert for_backward  # a backward follows: the forward is asked to keep what it can
         o, state = reference.chunked_gated_delta_rule(*args)
         made.append(hopper_forward.SegmentStates(plan, torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4)))
-        return o, state, made[-1]
+        return o, state, hopper_forward.ForwardKept(made[-1])
 
     def backward(*args):
         handed.append(args[-1])
@@ -244,6 +246,7 @@ def test_the_forwards_segments_reach_its_backward(checkpointed, monkeypatch):
     loss = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False) if checkpointed else run(*args)
     loss.backward()
     assert len(made) == 1 + checkpointed and len(handed) == 1
-    assert handed[0].plan == plan
-    assert torch.equal(handed[0].entry, made[-1].entry) and torch.equal(handed[0].transition, made[-1].transition)
+    segments = handed[0].segments
+    assert segments.plan == plan and handed[0].prepared is None
+    assert torch.equal(segments.entry, made[-1].entry) and torch.equal(segments.transition, made[-1].transition)
     assert all(t.grad is not None for t in leaves.values())

@@ -264,6 +264,30 @@ def test_gradients_are_bitwise_deterministic():
     assert all(torch.equal(first[n], second[n]) for n in first)
 
 
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_a_training_forward_hands_its_prep_to_the_backward(l2norm, monkeypatch):
+    """Through autograd the forward keeps chunk_prep's outputs and the backward runs no prep of its own; its
+    gradients are those of a backward that runs it (the same program, so the same bits)."""
+    x = _inputs(seqs=[300, 1, 129], hqk=2, hv=8, initial_state=True)
+    do, dht = _output_grads(x)
+    handed = []
+    prepare = hopper_forward.prepare_chunks
+    monkeypatch.setattr(hopper_forward, "prepare_chunks",
+                        lambda *a, **kw: handed.append((kw.get("store_inverse"), kw.get("prepared") is not None))
+                        or prepare(*a, **kw))
+    got = _grads(x, do, dht, l2norm)
+    assert handed == [(True, False), (True, True)]  # the forward's call (A0 written), the backward's (handed)
+    want = hopper_backward.chunk_backward(*(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"],
+                                          do, dht, l2norm, x["cu_seqlens"])
+    for name, grad in zip(("q", "k", "v", "g", "beta", "initial_state"), want):
+        assert torch.equal(got[name], grad), name
+    with torch.no_grad():  # no backward can follow: nothing is kept, no A0 written
+        handed.clear()
+        fq.chunk_gated_delta_rule(**{n: t.detach().requires_grad_() if n in DIFFERENTIABLE else t
+                                     for n, t in x.items()}, use_qk_l2norm_in_kernel=l2norm)
+    assert handed == [(False, False)]
+
+
 def test_training_loop_matches_the_reference_path(monkeypatch):
     """A few Adam steps of a tiny model on the operator: the same loss curve as on the reference path."""
 

@@ -252,8 +252,8 @@ def test_ops_pass_opcheck(flash_qla):
     grad = lambda t: t.clone().requires_grad_()
     for op in (ops._chunk_op, ops._recurrent_op):
         qkvgb = [grad(x[n]) for n in ("q", "k", "v", "g", "beta")]
-        torch.library.opcheck(op, (*qkvgb, None, grad(x["initial_state"]), True, True, x["cu_seqlens"]))
-        torch.library.opcheck(op, (*qkvgb, 0.3, None, False, False, None))
+        torch.library.opcheck(op, (*qkvgb, None, grad(x["initial_state"]), True, True, x["cu_seqlens"], True))
+        torch.library.opcheck(op, (*qkvgb, 0.3, None, False, False, None, False))
     qkvgb = [x[n] for n in ("q", "k", "v", "g", "beta")]
     inplace = ops._recurrent_inplace_op
     torch.library.opcheck(inplace, (*qkvgb, None, x["initial_state"].clone(), True, x["cu_seqlens"], None, None, False))
@@ -563,15 +563,18 @@ def test_gpu_module_layer_matches_transformers_layer_in_bf16(flash_qla, inputs):
 @pytest.mark.gpu
 @sm90
 def test_gpu_chunk_op_hands_its_forwards_segments_to_the_backward(flash_qla, monkeypatch):
-    """A forward run in segments (one long sequence, few heads) carries its entry states and transitions
-    to the backward: in the library's autograd (a plain eager call), and as outputs of the op, eagerly and
-    compiled (so the fake gives their shapes).  The gradients are the library's, and the backward's walks
-    took the segments."""
+    """A forward run in segments (one long sequence, few heads) carries its entry states and transitions,
+    and chunk_prep's outputs, to the backward: in the library's autograd (a plain eager call), and as
+    outputs of the op, eagerly and compiled (so the fake gives their shapes).  The gradients are the
+    library's, the backward's walks took the segments, and the backward ran no prep of its own."""
     ops = sys.modules[f"{flash_qla.__name__}.ops"]
     vendored = sys.modules[f"{flash_qla.__name__}.flash_qla_tl.hopper_backward"]
-    handed = []
-    walks = vendored.kernel_walks
+    vendored_forward = sys.modules[f"{flash_qla.__name__}.flash_qla_tl.hopper_forward"]
+    handed, prepared = [], []
+    walks, prepare = vendored.kernel_walks, vendored_forward.prepare_chunks
     monkeypatch.setattr(vendored, "kernel_walks", lambda *args: handed.append(args[-1]) or walks(*args))
+    monkeypatch.setattr(vendored_forward, "prepare_chunks",
+                        lambda *a, **kw: prepared.append(kw.get("prepared") is not None) or prepare(*a, **kw))
     x = make_inputs(seqs=[16384], hqk=1, hv=4, kdim=128, vdim=128, dtype=torch.bfloat16, device="cuda",
                     initial_state=True)
     names = ("q", "k", "v", "g", "beta", "initial_state")
@@ -594,6 +597,7 @@ def test_gpu_chunk_op_hands_its_forwards_segments_to_the_backward(flash_qla, mon
         loss(fn, args).backward()
         grads.append([a.grad for a in args])
     assert len(handed) == 3 and all(h is not None and h.plan.segment_tokens for h in handed), handed
+    assert prepared == [False, True] * 3  # each forward's prep, then its backward handed the outputs
     for op_grads in grads[:3]:
         assert all(rel_rms(a, b) < 1e-6 for a, b in zip(op_grads, grads[3])), [rel_rms(a, b) for a, b in
                                                                                  zip(op_grads, grads[3])]

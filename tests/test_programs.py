@@ -69,16 +69,17 @@ def inputs(hqk, hv, lengths, dtype=torch.bfloat16):
 
 def run_forward_and_backward(hqk, hv):
     """The launchers over every length mix, state flag and l2norm (what they ask for is recorded)."""
-    for lengths, has_h0, store_ht, l2norm in itertools.product(LENGTHS, (True, False), (True, False), (True, False)):
+    for lengths, has_h0, store_ht, l2norm, for_backward in itertools.product(
+            LENGTHS, (True, False), (True, False), (True, False), (True, False)):
         q, k, v, g, beta, cu_seqlens = inputs(hqk, hv, lengths)
         h0 = torch.zeros(len(lengths), hv, 128, 128) if has_h0 else None
-        o, ht, segments = hopper_forward.chunk_forward(q, k, v, g, beta, None, h0, store_ht, l2norm, cu_seqlens,
-                                                       return_segments=True)
-        kept = segments if hopper_backward.walks_take_forward_segments(sum(lengths), len(lengths), hv, q.device) \
-            else None
+        o, ht, kept = hopper_forward.chunk_forward(q, k, v, g, beta, None, h0, store_ht, l2norm, cu_seqlens,
+                                                   return_kept=True, keep_prepared=for_backward)
+        segments = kept.segments if hopper_backward.walks_take_forward_segments(
+            sum(lengths), len(lengths), hv, q.device) else None
         dht = torch.zeros(len(lengths), hv, 128, 128) if store_ht else None
         hopper_backward.chunk_backward(q, k, v, g, beta, None, h0, torch.empty_like(o), dht, l2norm, cu_seqlens,
-                                       kept)
+                                       segments, kept.prepared)
     channels = (2 * hqk + hv) * 128
     for batch, cu_seqlens in ((2, None), (1, torch.tensor([0, 3, 10]))):  # the layer's conv, dense and packed
         x = torch.empty(batch, 10, channels, dtype=torch.bfloat16).transpose(1, 2)
@@ -170,3 +171,27 @@ def test_decode_with_unshipped_gate_dtypes_takes_a_listed_program(requests, monk
         None, True, True, A_log=torch.zeros(8), dt_bias=torch.zeros(8), beta_sigmoid=True)
     assert len(requests) == 3 and set(requests) <= shipped
     assert all("gate_dtype='float32', beta_dtype='float32'" in r for r in requests)
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_a_training_forward_hands_its_backward_the_backwards_own_prep(requests, l2norm):
+    """With ``keep_prepared`` the forward runs the program the backward's prep would (so the kept tensors are
+    what the backward would make, bit for bit), and a backward handed them runs neither chunk_prep nor the
+    norms; without it the backward runs that same program itself."""
+    q, k, v, g, beta, cu_seqlens = inputs(2, 8, [300, 100])
+    preps = lambda: [key for key in requests if key.startswith(("build_chunk_prep", "build_inverse_norms"))]  # noqa: E731
+    o, _, kept = hopper_forward.chunk_forward(q, k, v, g, beta, None, None, False, l2norm, cu_seqlens,
+                                              return_kept=True, keep_prepared=True)
+    assert [tuple(t.shape) for t in kept.prepared] == hopper_forward.kept_prepared_shapes(400, 2, 8)
+    kept_preps = preps()
+    requests.clear()
+    hopper_backward.chunk_backward(q, k, v, g, beta, None, None, torch.empty_like(o), None, l2norm, cu_seqlens,
+                                   None, kept.prepared)
+    assert requests and not preps()
+    requests.clear()
+    hopper_backward.chunk_backward(q, k, v, g, beta, None, None, torch.empty_like(o), None, l2norm, cu_seqlens)
+    assert preps() == kept_preps
+    requests.clear()
+    _, _, kept = hopper_forward.chunk_forward(q, k, v, g, beta, None, None, False, l2norm, cu_seqlens,
+                                              return_kept=True)
+    assert kept.prepared is None and preps() != kept_preps  # inference: no A0 written

@@ -29,7 +29,8 @@ from . import flash_qla_tl as _library
 from ._ops import add_op_namespace_prefix
 from .flash_qla_tl import chunk_gated_delta_rule_bwd, fused_recurrent_gated_delta_rule_fwd
 from .flash_qla_tl import fused_recurrent_gated_delta_rule as _recurrent_forward
-from .flash_qla_tl.api import chunk_forward_and_segments, kept_segment_shapes, segments_from_tensors
+from .flash_qla_tl.api import chunk_forward_and_kept, kept_from_tensors, kept_prepared_shapes, kept_segment_shapes
+from .flash_qla_tl.hopper_forward import PREPARED_FIELDS
 from .flash_qla_tl.reference import compute_dtype_for, layer_gates
 from .flash_qla_tl.validation import (
     check_inplace_state, check_inputs, check_kwargs, check_layer_gates, requires_grad,
@@ -42,30 +43,44 @@ def _absent_like(x: Tensor) -> Tensor:
     return x.new_empty(0)
 
 
-def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+def _chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                   for_backward):
     # The library's public function would wrap this in its autograd.Function;
     # the op has its own autograd, so it calls the forward alone.  Validation
     # runs here, in the op body, because checking `cu_seqlens` reads its values
     # on the host, which would break a traced graph.
     check_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    return chunk_forward_and_segments(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+    return chunk_forward_and_kept(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, for_backward
     )
 
 
-def _recurrent_forward_and_segments(*args):
+def _recurrent_forward_and_kept(*args, for_backward):
     return (*_recurrent_forward(*args), None)
 
 
-def _register(name: str, forward: Callable, segment_shapes: Callable) -> Callable:
+def _distinct(tensors) -> list[Tensor]:
+    # An op's outputs may not alias each other: without the l2norm, the kept inverse norms of q and k are
+    # one tensor of ones.
+    return [t.clone() if any(t is u for u in tensors[:i]) else t for i, t in enumerate(tensors)]
+
+
+def _chunk_kept_shapes(q, k, v, cu_seqlens, for_backward):
+    prepared = kept_prepared_shapes(q, k, v, cu_seqlens) if for_backward else None
+    return kept_segment_shapes(q, k, v, cu_seqlens), prepared
+
+
+def _register(name: str, forward: Callable, kept_shapes: Callable) -> Callable:
     """Register `name` (forward `forward`) and `name_bwd`, and wire them into autograd.
 
     Both operators compute the same function (the recurrent and the chunked
     forms are exact), so both differentiate through the library's chunked
-    backward.  `forward` returns `(o, final_state, segments)`: what a forward run
-    in segments keeps for its backward (`flash_qla_tl.api.chunk_forward_and_segments`)
-    travels as two more outputs, its entry states and transitions, which
-    `segment_shapes(q, k, v, cu_seqlens)` gives the fake implementation (None: none kept).
+    backward.  `forward` returns `(o, final_state, kept)`: what the forward keeps for
+    its backward (`flash_qla_tl.api.chunk_forward_and_kept`: the entry states and
+    transitions of a forward run in segments; with `for_backward`, chunk_prep's
+    outputs) travels as eight more outputs, empty where nothing is kept;
+    `kept_shapes(q, k, v, cu_seqlens, for_backward)` gives the fake implementation their
+    shapes (`(segments, prepared)`, each None where none is kept).
     """
 
     @torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=())
@@ -80,22 +95,30 @@ def _register(name: str, forward: Callable, segment_shapes: Callable) -> Callabl
         output_final_state: bool,
         use_qk_l2norm_in_kernel: bool,
         cu_seqlens: Optional[Tensor],
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        o, final_state, segments = forward(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+        for_backward: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        o, final_state, kept = forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            for_backward=for_backward,
         )
-        kept = (_absent_like(q), _absent_like(q)) if segments is None else (segments.entry, segments.transition)
-        return o.contiguous(), _absent_like(q) if final_state is None else final_state, *kept
+        segments = None if kept is None else kept.segments
+        prepared = None if kept is None else kept.prepared
+        segments = [None] * 2 if segments is None else [segments.entry, segments.transition]
+        prepared = [None] * len(PREPARED_FIELDS) if prepared is None else _distinct(prepared)
+        return (o.contiguous(), _absent_like(q) if final_state is None else final_state,
+                *(_absent_like(q) if t is None else t for t in (*segments, *prepared)))
 
     @forward_op.register_fake
-    def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+          for_backward):
         num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         state_shape = (num_seqs, v.shape[2], k.shape[3], v.shape[3])
         final_state = q.new_empty(state_shape, dtype=compute_dtype_for(q)) if output_final_state else _absent_like(q)
-        shapes = segment_shapes(q, k, v, cu_seqlens)
-        kept = [_absent_like(q), _absent_like(q)] if shapes is None else [q.new_empty(s, dtype=torch.float32)
-                                                                            for s in shapes]
-        return v.new_empty(v.shape), final_state, *kept
+        segments, prepared = kept_shapes(q, k, v, cu_seqlens, for_backward)
+        segments = [((0,), q.dtype)] * 2 if segments is None else [(s, torch.float32) for s in segments]
+        prepared = [((0,), q.dtype)] * len(PREPARED_FIELDS) if prepared is None else prepared
+        segments, prepared = ([q.new_empty(s, dtype=dtype) for s, dtype in shapes] for shapes in (segments, prepared))
+        return v.new_empty(v.shape), final_state, *segments, *prepared
 
     @torch.library.custom_op(add_op_namespace_prefix(f"{name}_bwd"), mutates_args=())
     def backward_op(
@@ -112,44 +135,45 @@ def _register(name: str, forward: Callable, segment_shapes: Callable) -> Callabl
         cu_seqlens: Optional[Tensor],
         segment_entry: Tensor,
         segment_transition: Tensor,
+        prepared: list[Tensor],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        segments = segments_from_tensors(q, v, cu_seqlens, segment_entry, segment_transition)
+        kept = kept_from_tensors(q, v, cu_seqlens, segment_entry, segment_transition, prepared)
         *grads, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens, segments
+            q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens, kept
         )
         # Contiguous, as the fake implementation promises.
         return (*(d.contiguous() for d in grads), _absent_like(q) if dh0 is None else dh0.contiguous())
 
     @backward_op.register_fake
     def _(q, k, v, g, beta, scale, initial_state, do, dht, use_qk_l2norm_in_kernel, cu_seqlens, segment_entry,
-          segment_transition):
+          segment_transition, prepared):
         dh0 = _absent_like(q) if initial_state is None else initial_state.new_empty(initial_state.shape)
         return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), dh0)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens = inputs
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, _ = inputs
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
         ctx.mark_non_differentiable(*output[2:])
         ctx.scale = scale
         ctx.output_final_state = output_final_state
         ctx.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel
 
-    def backward(ctx, do, dht, *kept_grads):  # the kept segments have no gradient
-        q, k, v, g, beta, initial_state, cu_seqlens, *segments = ctx.saved_tensors
+    def backward(ctx, do, dht, *kept_grads):  # what the forward kept has no gradient
+        q, k, v, g, beta, initial_state, cu_seqlens, entry, transition, *prepared = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = backward_op(
             q, k, v, g, beta, ctx.scale, initial_state, do,
             dht if ctx.output_final_state else None,
-            ctx.use_qk_l2norm_in_kernel, cu_seqlens, *segments,
+            ctx.use_qk_l2norm_in_kernel, cu_seqlens, entry, transition, prepared,
         )
-        return dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0, None, None, None
+        return dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0, None, None, None, None
 
     forward_op.register_autograd(backward, setup_context=setup_context)
     return forward_op
 
 
-_chunk_op = _register("chunk_gated_delta_rule", _chunk_forward, kept_segment_shapes)
-_recurrent_op = _register("fused_recurrent_gated_delta_rule", _recurrent_forward_and_segments,
-                          lambda q, k, v, cu_seqlens: None)
+_chunk_op = _register("chunk_gated_delta_rule", _chunk_forward, _chunk_kept_shapes)
+_recurrent_op = _register("fused_recurrent_gated_delta_rule", _recurrent_forward_and_kept,
+                          lambda q, k, v, cu_seqlens, for_backward: (None, None))
 
 
 @torch.library.custom_op(add_op_namespace_prefix("fused_recurrent_gated_delta_rule_inplace"), mutates_args=("state",))
@@ -196,7 +220,7 @@ def plain_eager(*tensors) -> bool:
 def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, kwargs):
     check_kwargs(kwargs)
     o, final_state, *_ = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                            cu_seqlens)
+                            cu_seqlens, requires_grad(q, k, v, g, beta, initial_state))
     return o, final_state if output_final_state else None
 
 
