@@ -47,6 +47,13 @@ def random_split(total: int, parts: int, seed: int) -> list[int]:
     return [b - a for a, b in zip([0] + cuts, cuts + [total])]
 
 
+def output_grads(total: int, parts: int, hv: int) -> list:
+    """The fixed gradients of the output and of the final state (seeded) that every library's backward takes."""
+    gen = torch.Generator("cuda").manual_seed(1)
+    return [torch.randn(total, hv, 128, device="cuda", generator=gen).bfloat16()[None],
+            torch.randn(parts, hv, 128, 128, device="cuda", generator=gen) * 0.01]
+
+
 def backward_step(fn, x, grads, l2norm=True):
     """One forward through ``fn``; returns a call that takes all input gradients from its graph.
 
@@ -85,9 +92,7 @@ def run(grid, libs, ceilings, save, check=True):
     for (hqk, hv), total, parts, mode in grid:
         seqs = random_split(total, parts, seed=total + parts)
         x = make_problem(hqk, hv, seqs, mode)
-        gen = torch.Generator("cuda").manual_seed(1)
-        grads = [torch.randn(total, hv, 128, device="cuda", generator=gen).bfloat16()[None],
-                 torch.randn(parts, hv, 128, 128, device="cuda", generator=gen) * 0.01]
+        grads = output_grads(total, parts, hv)
         name = f"{total}: " + "+".join(map(str, seqs)) if parts > 1 else f"1x{total}"
         row = {"hqk": hqk, "hv": hv, "lengths": name, "mode": mode, "tokens": total,
                "ms": {}, "host_us": {}, "diff": {}, "peak_gb": {}, "fwd_bwd_ms": {}}

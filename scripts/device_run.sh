@@ -104,6 +104,9 @@ for step in $steps; do
     bwd)   python benchmarks/bench_backward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} $(candidates) \
              ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} ${BENCH_MODES:+--modes $BENCH_MODES} ${NO_PEERS:+--no-peers} 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -50 ;;
+    spread) # SPREAD_ARGS: capture_spread.py's options (default: the backward at (8,16) 1x8192 normalized, with
+            # the peers): one call timed over fresh captures, to see whether a table's outlier cell is its graph's
+      python benchmarks/capture_spread.py ${SPREAD_ARGS:---backward} 2>&1 | grep -v INFO | tee "$OUT/spread.log" | tail -8 ;;
     bwdquick) python benchmarks/bench_backward.py --quick --out "$OUT/bench" 2>&1 \
              | tee "$OUT/bench-backward.log" | grep -v INFO | tail -12 ;;
     layer) # LAYER_ARGS: more options of bench_layer.py (--shapes qwen3.5-9b); warm the shapes' heads first (WARM_HEADS)
