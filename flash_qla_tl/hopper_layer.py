@@ -215,8 +215,8 @@ def gated_rms_norm_backward(x, z, weight, eps, dy) -> tuple:
     from .kernels.gated_rms_norm import BACKWARD_ROWS, build_gated_rms_norm_backward
 
     dx, dz = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
-    dweight_part = torch.zeros(max(1, -(-x.shape[0] // BACKWARD_ROWS)), x.shape[1], dtype=torch.float32,
-                               device=x.device)
+    # every program writes its partial row whole (no rows when x has none: then the sum is zeros)
+    dweight_part = torch.empty(-(-x.shape[0] // BACKWARD_ROWS), x.shape[1], dtype=torch.float32, device=x.device)
     if x.shape[0]:
         kernel = compile_program(build_gated_rms_norm_backward, NORM_DIM, KERNEL_DTYPES[x.dtype])
         kernel(x, z, weight.contiguous(), float(eps), dy.contiguous(), dx, dz, dweight_part)
