@@ -342,14 +342,18 @@ def main():
             "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]), **versions()}
     args.out.mkdir(parents=True, exist_ok=True)
     columns = []
+
+    def save() -> str:  # after each column: a run cut off (a lent GPU's time running out) keeps what it measured
+        report = markdown(columns, args.shapes, args.lengths, meta)
+        (args.out / "layer.json").write_text(json.dumps({"meta": meta, "columns": columns}, indent=1))
+        (args.out / "layer.md").write_text(report)
+        return report
+
     for shape in args.shapes:
         for variant in args.columns:
             columns.append(run_column(variant, shape, args))
-            # rewritten after each column: a run cut off (a lent GPU's time running out) keeps what it measured
-            report = markdown(columns, args.shapes, args.lengths, meta)
-            (args.out / "layer.json").write_text(json.dumps({"meta": meta, "columns": columns}, indent=1))
-            (args.out / "layer.md").write_text(report)
-    print(report)
+            save()
+    print(save())
 
 
 if __name__ == "__main__":

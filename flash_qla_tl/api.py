@@ -90,8 +90,7 @@ def kept_prepared_shapes(q, k, v, cu_seqlens=None) -> list[tuple[tuple, torch.dt
     ``for_backward`` for such inputs, or None where it keeps none (not on the Hopper kernels)."""
     if forward_backend(q, k, v) != "hopper":
         return None
-    shapes = hopper_forward.kept_prepared_shapes(_tokens_and_sequences(q, cu_seqlens)[0], k.shape[2], v.shape[2])
-    return [(shape, torch.float32 if i < 3 else q.dtype) for i, shape in enumerate(shapes)]
+    return hopper_forward.prepared_layout(_tokens_and_sequences(q, cu_seqlens)[0], k.shape[2], v.shape[2], q.dtype)
 
 
 def kept_from_tensors(q, v, cu_seqlens, entry, transition, prepared) -> hopper_forward.ForwardKept:

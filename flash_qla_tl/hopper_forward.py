@@ -178,7 +178,7 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     (:func:`chunk_forward`'s ``keep_prepared``); then no kernel runs."""
     from .kernels.chunk_prep import build_chunk_prep
     from .kernels.compile import compile_program
-    from .kernels.inverse_norms import build_inverse_norms, padded_heads
+    from .kernels.inverse_norms import build_inverse_norms
 
     batch, length, hqk, kdim = q.shape
     hv = v.shape[2]
@@ -200,17 +200,17 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     # With it, chunk_prep writes k's (it reads every key row anyway); like gamma's, the rows past
     # the last sequence (a token axis padded under capture) stay unwritten, and every pass
     # selects rows past a chunk's end away.
-    norm_shape = (total, padded_heads(hqk))
+    layout = dict(zip(PREPARED_FIELDS, prepared_layout(total, hqk, hv, q.dtype)))
+    new = lambda field, fill=torch.empty: fill(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
     if use_qk_l2norm_in_kernel:
-        q_norm, k_norm = (torch.empty(norm_shape, dtype=torch.float32, device=device) for _ in range(2))
+        q_norm, k_norm = new("q_norm"), new("k_norm")
         compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
     else:
-        q_norm = k_norm = torch.ones(norm_shape, dtype=torch.float32, device=device)
+        q_norm = k_norm = new("q_norm", torch.ones)
 
-    gamma = torch.empty(total, padded_heads(hv), dtype=torch.float32, device=device)
-    a_values = torch.empty(total, hv, 64, dtype=q.dtype, device=device)
-    a_keys, a_inverse = (torch.empty(total, hv, 64, dtype=q.dtype, device=device) if wanted else None
-                         for wanted in (store_keys, store_inverse))
+    gamma, a_values = new("gamma"), new("a_values")
+    a_keys = new("a_keys") if store_keys else None
+    a_inverse = new("a_inverse") if store_inverse else None
     prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype, store_inverse, store_keys,
                            use_qk_l2norm_in_kernel)
     unused = placeholder((1, hv, 64), q.dtype, device)
@@ -278,14 +278,15 @@ class ForwardKept:
     prepared: tuple | None = None
 
 
-def kept_prepared_shapes(total_tokens: int, num_qk_heads: int, num_v_heads: int) -> list[tuple]:
-    """Shapes of the ``PREPARED_FIELDS`` tensors a forward of ``total_tokens`` keeps (fp32 for the norms and
-    gamma, q's dtype for the three matrices)."""
+def prepared_layout(total_tokens: int, num_qk_heads: int, num_v_heads: int, dtype: torch.dtype) -> list[tuple]:
+    """``(shape, dtype)`` of each ``PREPARED_FIELDS`` tensor as :func:`prepare_chunks` makes it for
+    ``total_tokens`` of q's ``dtype``: fp32 for the inverse norms and gamma (heads padded to whole TMA boxes),
+    ``dtype`` for the three 64-wide matrices.  A forward that keeps them keeps exactly these."""
     from .kernels.inverse_norms import padded_heads
 
-    norms = (total_tokens, padded_heads(num_qk_heads))
-    matrix = (total_tokens, num_v_heads, 64)
-    return [norms, norms, (total_tokens, padded_heads(num_v_heads)), matrix, matrix, matrix]
+    norms = ((total_tokens, padded_heads(num_qk_heads)), torch.float32)
+    matrix = ((total_tokens, num_v_heads, 64), dtype)
+    return [norms, norms, ((total_tokens, padded_heads(num_v_heads)), torch.float32), matrix, matrix, matrix]
 
 
 def kept_segment_shapes(total_tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,

@@ -87,7 +87,7 @@ def conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens=None
     ``[B, T, C]`` (the projection's output, as the layer holds it), C a multiple of 8, ``weight [C, W]`` and
     ``bias [C]`` (or None) of x's dtype; packed sequences (``cu_seqlens``) in a batch of one; ``planes``
     (the output's channel groups), if given, multiples of 8 summing to C."""
-    from .kernels.causal_conv_prefill import LANE_CHANNELS, build_causal_conv_prefill
+    from .kernels.causal_conv_prefill import LANE_CHANNELS, build_causal_conv_prefill, planes_error
 
     reason = device_unsupported_reason(x)
     if reason is not None:
@@ -99,8 +99,8 @@ def conv_prefill_unsupported_reason(x, weight, bias, activation, cu_seqlens=None
         return f"packed sequences in a batch of one, got a batch of {x.shape[0]}"
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or activation not in ACTIVATIONS:
         return f"weight and bias of x's dtype and an activation of {ACTIVATIONS}, got {weight.dtype}, {activation!r}"
-    if planes is not None and (sum(planes) != x.shape[1] or any(p <= 0 or p % LANE_CHANNELS for p in planes)):
-        return f"output planes of multiples of {LANE_CHANNELS} channels summing to {x.shape[1]}, got {planes}"
+    if planes is not None and (error := planes_error(x.shape[1], planes)) is not None:
+        return error
     return _program_unavailable(build_causal_conv_prefill,
                                 *conv_prefill_config(x, weight, bias, activation, cu_seqlens is not None, planes))
 

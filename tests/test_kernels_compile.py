@@ -9,6 +9,9 @@ import re
 import pytest
 
 from flash_qla_tl import hopper_backward, hopper_forward
+from flash_qla_tl.kernels.causal_conv_prefill import (
+    build_causal_conv_prefill, build_causal_conv_prefill_backward, planes_error,
+)
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
 from flash_qla_tl.kernels.chunk_forward import CORRECTIONS, build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
@@ -17,7 +20,7 @@ from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
 from flash_qla_tl.kernels.compile import compile_program
-from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm
+from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm, build_gated_rms_norm_backward
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass
@@ -73,6 +76,30 @@ def test_causal_conv_step_compiles(channels, dtype, has_bias, silu):
 def test_gated_rms_norm_compiles(dtype):
     source = compile_program(build_gated_rms_norm, 128, dtype).get_kernel_source()
     assert "__syncthreads" not in source  # a row's sum of squares stays in one warp
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gated_rms_norm_backward_compiles(dtype):
+    source = compile_program(build_gated_rms_norm_backward, 128, dtype).get_kernel_source()
+    assert "atomic" not in source  # dweight by per-program partials: the same bits every run
+
+
+@pytest.mark.parametrize("build", [build_causal_conv_prefill, build_causal_conv_prefill_backward])
+@pytest.mark.parametrize("channels,dtype,has_bias,silu,packed,planes", [
+    (8192, "bfloat16", False, True, True, (2048, 2048, 4096)),  # Qwen3.5-9B's q, k and v planes, packed
+    (384, "float16", True, False, False, (64, 64, 256)),  # plane edges inside a warp's channels
+])
+def test_causal_conv_prefill_compiles(build, channels, dtype, has_bias, silu, packed, planes):
+    source = compile_program(build, channels, 4, dtype, has_bias, silu, packed, planes).get_kernel_source()
+    assert "atomic" not in source
+
+
+def test_causal_conv_prefill_refuses_planes_that_do_not_split_its_channels():
+    assert planes_error(384, (64, 64, 256)) is None
+    for planes in [(64, 64, 248), (60, 68, 256), (0, 128, 256)]:
+        assert "planes" in planes_error(384, planes)
+        with pytest.raises(ValueError, match="planes"):
+            build_causal_conv_prefill(384, 4, "bfloat16", False, True, False, planes)
 
 
 @pytest.mark.parametrize("backwards, transposed", [(False, False), (True, False), (True, True)])

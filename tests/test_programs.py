@@ -182,7 +182,7 @@ def test_a_training_forward_hands_its_backward_the_backwards_own_prep(requests, 
     preps = lambda: [key for key in requests if key.startswith(("build_chunk_prep", "build_inverse_norms"))]  # noqa: E731
     o, _, kept = hopper_forward.chunk_forward(q, k, v, g, beta, None, None, False, l2norm, cu_seqlens,
                                               return_kept=True, keep_prepared=True)
-    assert [tuple(t.shape) for t in kept.prepared] == hopper_forward.kept_prepared_shapes(400, 2, 8)
+    assert [(tuple(t.shape), t.dtype) for t in kept.prepared] == hopper_forward.prepared_layout(400, 2, 8, q.dtype)
     kept_preps = preps()
     requests.clear()
     hopper_backward.chunk_backward(q, k, v, g, beta, None, None, torch.empty_like(o), None, l2norm, cu_seqlens,

@@ -52,10 +52,18 @@ def _first_row(T, seq_start, token, length, packed):
     return seq_start[T.max(T.min(token, length - 1), 0)] if packed else 0
 
 
-def check_planes(channels: int, planes: tuple) -> None:
-    """``planes``: the widths of the output's channel groups, whole lanes each, summing to C."""
+def planes_error(channels: int, planes) -> str | None:
+    """Why ``planes`` (the widths of the output's channel groups) cannot split C channels, or None: they must be
+    whole lanes each, summing to C."""
     if sum(planes) != channels or any(p <= 0 or p % LANE_CHANNELS for p in planes):
-        raise ValueError(f"planes must be positive multiples of {LANE_CHANNELS} summing to {channels}, got {planes}")
+        return f"output planes of positive multiples of {LANE_CHANNELS} channels summing to {channels}, got {planes}"
+    return None
+
+
+def check_planes(channels: int, planes: tuple) -> None:
+    error = planes_error(channels, planes)
+    if error is not None:
+        raise ValueError(error)
 
 
 def _plane_index(T, planes, batch, length, b, row, c0):
