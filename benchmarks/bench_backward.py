@@ -17,7 +17,9 @@ tests check ours against float64).  "ours / floor" uses DESIGN.md's backward
 FLOPs (about 510 k per token-head).  ``fwd_bwd_ms`` (in the JSON rows): the
 forward with autograd and its backward captured together, what a training step
 pays for the operator, so that work a library's training forward does for its
-backward (keeping its chunk inverses) shows too.
+backward (keeping its chunk inverses) shows too.  ``wall_s``: the harness's own
+seconds per library and row (first-shape compiles and autotuning included), to
+plan a run's device time by.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,9 +98,10 @@ def run(grid, libs, ceilings, save, check=True):
         grads = output_grads(total, parts, hv)
         name = f"{total}: " + "+".join(map(str, seqs)) if parts > 1 else f"1x{total}"
         row = {"hqk": hqk, "hv": hv, "lengths": name, "mode": mode, "tokens": total,
-               "ms": {}, "host_us": {}, "diff": {}, "peak_gb": {}, "fwd_bwd_ms": {}}
+               "ms": {}, "host_us": {}, "diff": {}, "peak_gb": {}, "fwd_bwd_ms": {}, "wall_s": {}}
         ours = None
         for lib, fn in libs.items():
+            started = time.perf_counter()
             try:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -118,11 +122,13 @@ def run(grid, libs, ceilings, save, check=True):
             except Exception as e:  # a peer that fails a config is reported, not hidden
                 row["ms"][lib] = row["host_us"][lib] = None
                 row["diff"][lib] = f"{type(e).__name__}: {e}"[:160]
+            row["wall_s"][lib] = time.perf_counter() - started
         th = total * hv
         row["ns_per_token_head"] = {lib: (ms * 1e6 / th if ms else None) for lib, ms in row["ms"].items()}
         row["floor_ns"] = floor_ns_per_token_head(hqk, hv, ceilings, FLOP_PER_TOKEN_HEAD)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("hqk", "hv", "lengths", "mode", "ms", "fwd_bwd_ms", "diff", "peak_gb")}),
+        print(json.dumps({k: row[k] for k in ("hqk", "hv", "lengths", "mode", "ms", "fwd_bwd_ms", "diff", "peak_gb",
+                                              "wall_s")}),
               flush=True)
         save(rows)
         del x, ours

@@ -15,6 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # extra wheels the image lacks (kernels'
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+touch /tmp/run-started  # what the compile caches gained since (step savecache)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
 # Which code this is: the device's copy of .git may be stale, the files are not.  The same
 # command here tells whether the call runs the revision meant (the copy is of /work/main's tree).
@@ -134,6 +135,17 @@ for step in $steps; do
         | head -${NCU_LINES:-50}
       rm -f "$OUT/ncu_source.csv" ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
+    savecache) # the TileLang and Triton cache entries this run compiled (ours the cache lacked, the peers'
+               # JIT programs and autotuned kernels), packed into /tmp/savedcache/ (outside $OUT: a background
+               # run's one archive must stay small): a later call copies them to $OUT, to carry next time
+      mkdir -p /tmp/savedcache
+      for cache in "tilelang=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}" "triton=$HOME/.triton/cache"; do
+        root=${cache#*=}; [ -d "$root" ] || continue
+        ( cd "$root" && find . -type f -newer /tmp/run-started ) > /tmp/savedcache/list
+        tar -C "$root" -cJf "/tmp/savedcache/${cache%%=*}.tar.xz" -T /tmp/savedcache/list 2>/dev/null
+        echo "$root: $(wc -l < /tmp/savedcache/list) new files"
+      done
+      ls -la /tmp/savedcache ;;
     shipped) # issue 17: the compiled hub package built here on all cores, then its first calls in a fresh process
              # without TileLang or nvcc (get_kernel + first forward, first forward + backward; results vs TileLang's),
              # then the GPU test of tests/test_shipped.py;
