@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent Hopper GPU: GPU tests, then benchmarks; full logs under $OUT.
 #   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|hazards|barrierprobe|cold|shipped ...]     (default: tests quick)
-# Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf) and optionally a
+# Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf; its transformers, kernels and tomlkit wheels
+# moved to .whl/, carried only by the steps that need them: hubtests, layer, kbench, shipped) and optionally a
 # TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
 # (xz: the cache's shared objects would not fit the 64 MiB a device call carries; pack only
 # the programs of the revision that runs: precompile.py --cache-list, then tar -T).
@@ -10,7 +11,13 @@ source .gpu/setup.sh || exit 1
 if [ -f .gpu/tlcache.tar.xz ]; then
   mkdir -p /tmp/tlc && tar -C /tmp/tlc -xJf .gpu/tlcache.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlc
 fi
-if ls .whl/*.whl >/dev/null 2>&1; then  # extra wheels the image lacks (kernels' CLI needs cryptography)
+# The peers' compiled programs from an earlier run's savecache (carry .peers): flash-qla's TileLang JIT and
+# fla's Triton kernels took ~230 s at the first row of each head config (H200, session 21), ~3 s a row after.
+if [ -f .peers/tilelang.tar.xz ]; then
+  mkdir -p /tmp/tlc && tar -C /tmp/tlc -xJf .peers/tilelang.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlc
+fi
+[ -f .peers/triton.tar.xz ] && mkdir -p ~/.triton/cache && tar -C ~/.triton/cache -xJf .peers/triton.tar.xz
+if ls .whl/*.whl >/dev/null 2>&1; then  # extra wheels the image lacks (the hub steps: transformers, kernels, tomlkit)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
