@@ -2,7 +2,8 @@
 # One call on a lent Hopper GPU: GPU tests, then benchmarks; full logs under $OUT.
 #   bash scripts/device_run.sh [tests|quick|full|decode|sanitize|hazards|barrierprobe|cold|shipped ...]     (default: tests quick)
 # Expects the bundle (.gpu/, ../shared/gpu/make-bundle.sh --hf; its transformers, kernels and tomlkit wheels
-# moved to .whl/, carried only by the steps that need them: hubtests, layer, kbench, shipped) and optionally a
+# moved to .whl/, carried by the steps that use Transformers or the hub: layertests, hubtests, layer, glue, decode,
+# kbench, shipped) and optionally a
 # TileLang cache filled here by scripts/precompile.py and packed as .gpu/tlcache.tar.xz
 # (xz: the cache's shared objects would not fit the 64 MiB a device call carries; pack only
 # the programs of the revision that runs: precompile.py --cache-list, then tar -T).
