@@ -9,9 +9,13 @@
 # the programs of the revision that runs: precompile.py --cache-list, then tar -T).
 set -uo pipefail
 source .gpu/setup.sh || exit 1
-if [ -f .gpu/tlcache.tar.xz ]; then
-  mkdir -p /tmp/tlc && tar -C /tmp/tlc -xJf .gpu/tlcache.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlc
-fi
+# Our programs, compiled here: .gpu/tlcache.tar.xz (the benchmarks' head configs), .tlc-tests/tlcache.tar.xz
+# (the GPU tests' other head configs; carry .tlc-tests for test steps): both into one cache.
+for archive in .gpu/tlcache.tar.xz .tlc-tests/tlcache.tar.xz; do
+  if [ -f "$archive" ]; then
+    mkdir -p /tmp/tlc && tar -C /tmp/tlc -xJf "$archive" && export TILELANG_CACHE_DIR=/tmp/tlc
+  fi
+done
 # The peers' compiled programs from an earlier run's savecache (carry .peers): flash-qla's TileLang JIT and
 # fla's Triton kernels took ~230 s at the first row of each head config (H200, session 21), ~3 s a row after.
 if [ -f .peers/tilelang.tar.xz ]; then
