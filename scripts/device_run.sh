@@ -9,18 +9,15 @@
 # the programs of the revision that runs: precompile.py --cache-list, then tar -T).
 set -uo pipefail
 source .gpu/setup.sh || exit 1
-# Our programs, compiled here: .gpu/tlcache.tar.xz (the benchmarks' head configs), .tlc-tests/tlcache.tar.xz
-# (the GPU tests' other head configs; carry .tlc-tests for test steps): both into one cache.
-for archive in .gpu/tlcache.tar.xz .tlc-tests/tlcache.tar.xz; do
+# One TileLang cache from what the call carries: our programs compiled here (.gpu/tlcache.tar.xz, the
+# benchmarks' head configs; .tlc-tests/tlcache.tar.xz, the GPU tests' other ones) and flash-qla's JIT programs
+# from an earlier run's savecache (.peers, with fla's Triton kernels: the peers' compiles took ~230 s at the
+# first row of each head config, H200, session 21; ~3 s a row after).
+for archive in .gpu/tlcache.tar.xz .tlc-tests/tlcache.tar.xz .peers/tilelang.tar.xz; do
   if [ -f "$archive" ]; then
     mkdir -p /tmp/tlc && tar -C /tmp/tlc -xJf "$archive" && export TILELANG_CACHE_DIR=/tmp/tlc
   fi
 done
-# The peers' compiled programs from an earlier run's savecache (carry .peers): flash-qla's TileLang JIT and
-# fla's Triton kernels took ~230 s at the first row of each head config (H200, session 21), ~3 s a row after.
-if [ -f .peers/tilelang.tar.xz ]; then
-  mkdir -p /tmp/tlc && tar -C /tmp/tlc -xJf .peers/tilelang.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlc
-fi
 [ -f .peers/triton.tar.xz ] && mkdir -p ~/.triton/cache && tar -C ~/.triton/cache -xJf .peers/triton.tar.xz
 if ls .whl/*.whl >/dev/null 2>&1; then  # extra wheels the image lacks (the hub steps: transformers, kernels, tomlkit)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
