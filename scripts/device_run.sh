@@ -19,7 +19,7 @@ for archive in .gpu/tlcache.tar.xz .tlc-tests/tlcache.tar.xz .peers/tilelang.tar
   fi
 done
 [ -f .peers/triton.tar.xz ] && mkdir -p ~/.triton/cache && tar -C ~/.triton/cache -xJf .peers/triton.tar.xz
-if ls .whl/*.whl >/dev/null 2>&1; then  # extra wheels the image lacks (the hub steps: transformers, kernels, tomlkit)
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the image lacks: transformers, kernels, tomlkit (the steps using Transformers or the hub)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
