@@ -45,6 +45,10 @@ WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST) 
 # Chunks per sequence (mean) from which the walks take a forward's segments even where their own
 # plan would not split, if it leaves three quarters of the GPU idle: see walks_take_forward_segments.
 FORWARD_SEGMENTS_MIN_CHUNKS = 256
+# ... and from this many whatever the programs' count: chains of 512 chunks cost more than the segments' passes
+# even where the walks' programs fill half the GPU ((8,16) 1x32768: 1.037x normalized, 1.020x l2norm, H100,
+# session 18, notes/backward-budget.md).
+FORWARD_SEGMENTS_ANY_PROGRAMS = 512
 # Reverse-pass widths whose programs load P from chunk_scores rather than forming it in prep.  At 32
 # columns a head's four programs formed it four times and the chain waited for prep: 3196 -> 2614 cycles
 # a chunk, (2,8) 1x8192 backward 1.09x; at 64 (twice) the scores kernel, which shares the SMs with the
@@ -77,14 +81,15 @@ def walks_take_forward_segments(total_tokens: int, num_seqs: int, num_v_heads: i
     segments against on the walks' own plan, BENCHMARKS.md): one
     sequence of 512 chunks at (2,8) heads 1.37x faster, one of 256 chunks 1.22x, two
     of 256 chunks at (1,4) 1.22x; but two of 256 chunks at (2,8) (64 programs a walk)
-    7% slower, one of 128 chunks 8% slower.
+    7% slower, one of 128 chunks 8% slower.  From 512 chunks (FORWARD_SEGMENTS_ANY_PROGRAMS)
+    also where the walks' own programs fill half the GPU.
     """
     if total_tokens == 0:
         return False
     own = plan_walks(total_tokens, num_seqs, num_v_heads, device)
     programs = (hopper_forward.HEAD_DIM // own.block_v) * num_v_heads * num_seqs
     chunks = total_tokens // (num_seqs * CHUNK)
-    return own.segment_tokens is not None or (
+    return own.segment_tokens is not None or chunks >= FORWARD_SEGMENTS_ANY_PROGRAMS or (
         programs <= context_parallel.num_sms(device) // 4 and chunks >= FORWARD_SEGMENTS_MIN_CHUNKS)
 
 

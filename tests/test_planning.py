@@ -129,6 +129,7 @@ def test_walks_in_the_forwards_segments_are_planned(total, seqs, heads, reverse,
     (16384, 1, 8, True),  # 256 chunks
     (32768, 2, 4, True),
     (32768, 2, 8, False),  # 256 chunks, but 64 programs a walk
+    (32768, 1, 16, True),  # 64 programs a walk, but a chain of 512 chunks
     (8192, 1, 8, False),  # 128 chunks
     (16384, 1, 4, True),  # the walks' own plan splits too (16 programs of 32 columns on 66 SMs)
 ])
