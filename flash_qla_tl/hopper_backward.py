@@ -46,8 +46,9 @@ WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST) 
 # plan would not split, if it leaves three quarters of the GPU idle: see walks_take_forward_segments.
 FORWARD_SEGMENTS_MIN_CHUNKS = 256
 # ... and from this many whatever the programs' count: chains of 512 chunks cost more than the segments' passes
-# even where the walks' programs fill half the GPU ((8,16) 1x32768: 1.037x normalized, 1.020x l2norm, H100,
-# session 18, notes/backward-budget.md).
+# even where the walks' programs fill half the GPU ((8,16) 1x32768, the one such row of issue 14's grid:
+# 1.520 -> 1.370 ms normalized, H200, 2026-11-27, one process; H100, session 18: 1.037x normalized, 1.020x
+# l2norm; notes/backward-budget.md).
 FORWARD_SEGMENTS_ANY_PROGRAMS = 512
 # Reverse-pass widths whose programs load P from chunk_scores rather than forming it in prep.  At 32
 # columns a head's four programs formed it four times and the chain waited for prep: 3196 -> 2614 cycles
