@@ -14,7 +14,8 @@ sequence's chunks, then gradients local to every chunk.  Here:
    (in the forward's segments where it kept them, with their transitions
    transposed: ``context_parallel.py``).
    The two walks do not depend on each other: they run side by side, the
-   recompute on a second stream, each planned for half the SMs (or, in the
+   recompute on a second stream, each planned for half the SMs (the recompute
+   at whole heads where even those overflow it: :func:`plan_recompute`; in the
    forward's segments, :func:`plan_walks_in_segments`);
 3. ``chunk_local_gradients``, persistent programs over the (chunk, value head)
    items: dv, dg, dbeta per item, and dq, dk of the inputs: per (chunk, q/k head),
@@ -58,10 +59,33 @@ SCORES_WIDTHS = (32,)
 
 
 def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):
-    """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs,
-    and both take the same width, at most WALK_WIDEST columns."""
+    """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs;
+    the reverse pass takes this width, at most WALK_WIDEST columns, the recompute :func:`plan_recompute`'s."""
     return hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device,
                                           context_parallel.num_sms(device) // 2, widest=WALK_WIDEST)
+
+
+def plan_recompute(plan: hopper_forward.StatePassPlan, num_seqs: int, num_v_heads: int,
+                   device: torch.device) -> hopper_forward.StatePassPlan:
+    """The recompute's grid beside a reverse pass planned ``plan``: the same, but at whole heads where even
+    whole-head programs, one per (sequence, value head), overflow the walks' half of the SMs.
+
+    Then the recompute is bound by the SMs' throughput, not by its chains' latency, and the
+    forward's state pass retires the most columns per SM at whole heads (a 128-column
+    program takes about 1.3x a 32-column one's time per chunk: ``plan_state_pass``).
+    Where whole heads would fit the half, the narrower programs' shorter time per chunk
+    wins: measured beside the rule "whole heads wherever the walks' programs overflow"
+    (H200, 2026-11-27, one process, issue 14's grid, normalized), whole heads were
+    2-5% faster at (16,64) with 2-8 sequences and (8,16) and (16,32) with 8, but 3-4%
+    slower at (16,64) with one sequence (64 whole-head programs on 66 SMs, chains of
+    128 and 512 chunks).  The reverse pass keeps its width: its whole-head programs
+    retire about as many columns per SM as its 64-column ones (~4.3 us a chunk against
+    ~2.2, notes/backward-budget.md items 7 and 19).  The recompute's chunk states do not
+    depend on its width: the local kernel reads them whole.
+    """
+    if plan.segment_tokens is None and num_v_heads * num_seqs > context_parallel.num_sms(device) // 2:
+        return hopper_forward.StatePassPlan(hopper_forward.HEAD_DIM, None)
+    return plan
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +152,8 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
     hqk, hv, kdim, vdim, dtype = ops.config
     total, device, num_seqs = ops.v.shape[0], ops.v.device, ops.cu_seqlens.numel() - 1
     if segments is None:
-        recompute_plan = plan = plan_walks(total, num_seqs, hv, device)
+        plan = plan_walks(total, num_seqs, hv, device)
+        recompute_plan = plan_recompute(plan, num_seqs, hv, device)
     else:
         recompute_plan, plan = plan_walks_in_segments(total, hv, segments.plan, device)
     seg_len = plan.segment_tokens

@@ -105,9 +105,12 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, count))
                 for l2norm, count in itertools.product((True, False), sms)]
         out.append((build_chunk_scores, (hqk, hv, 128, dtype)))  # P, for the narrow reverse passes
-        for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
+        # the recompute: at the walks' widths, and at whole heads where even those overflow the walks' half of the SMs
+        # (hopper_backward.plan_recompute)
+        for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST or b == 128]):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))
+        for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
             scores = b in SCORES_WIDTHS
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, True, True, scores)))
             # context parallelism's first reverse pass (no stores) and its transition pass (no dO either)
@@ -119,7 +122,4 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
                                               correction(128, True))))
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, 128, False, True)))
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, True, 128)))
-            # the recompute at whole heads over whole sequences (the GPU tests' walks at every width)
-            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,
-                                              correction(128))))
     return out

@@ -129,11 +129,14 @@ def _kernel_and_torch_walks(x, do, dht, l2norm=True):
     return ops, do_packed, walks, c, d_out, torch_walks, in_chunks
 
 
-@pytest.mark.parametrize("block_v", [32, 64, 128])
-def test_kernel_walks_match_the_torch_walks(block_v, monkeypatch):
-    """Each walk alone, at each width: the recompute's entering states, dU, dS' and dh0 against PyTorch's,
-    in fp32."""
+@pytest.mark.parametrize("block_v, recompute_block_v", [(32, 32), (64, 64), (128, 128), (64, 128)])
+def test_kernel_walks_match_the_torch_walks(block_v, recompute_block_v, monkeypatch):
+    """Each walk alone, at each width (and the recompute at whole heads beside a narrower reverse pass, as
+    plan_recompute gives where whole heads overflow): the recompute's entering states, dU, dS' and dh0
+    against PyTorch's, in fp32."""
     monkeypatch.setattr(hopper_backward, "plan_walks", lambda *args: hopper_forward.StatePassPlan(block_v, None))
+    monkeypatch.setattr(hopper_backward, "plan_recompute",
+                        lambda *args: hopper_forward.StatePassPlan(recompute_block_v, None))
     x = _inputs(seqs=[70, 0, 300, 1], initial_state=True)
     do, dht = _output_grads(x)
     *_, torch_walks, kernel_walks = _kernel_and_torch_walks(x, do, dht)

@@ -112,6 +112,24 @@ def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeyp
     assert hopper_backward.plan_walks(32768, seqs, heads, None) == walks
 
 
+@pytest.mark.parametrize("heads, seqs, recompute", [
+    # 64 programs of 64 columns a walk fit their half of the SMs: the recompute keeps the reverse pass's width
+    (32, 1, hopper_forward.StatePassPlan(64, None)),
+    # 128 programs of 64 columns overflow it, but 64 whole-head ones would fit: the width stays
+    (64, 1, hopper_forward.StatePassPlan(64, None)),
+    # 128 (sequence, head) pairs: whole heads overflow too, so the recompute is throughput-bound and takes them
+    (32, 4, hopper_forward.StatePassPlan(128, None)),
+    (64, 2, hopper_forward.StatePassPlan(128, None)),
+    (64, 8, hopper_forward.StatePassPlan(128, None)),
+    # walks in segments (few heads, one sequence) keep one plan
+    (4, 1, hopper_forward.StatePassPlan(32, 8192)),
+])
+def test_the_recompute_takes_whole_heads_where_they_overflow_a_wave(heads, seqs, recompute, monkeypatch):
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
+    walks = hopper_backward.plan_walks(32768, seqs, heads, None)
+    assert hopper_backward.plan_recompute(walks, seqs, heads, None) == recompute
+
+
 @pytest.mark.parametrize("total, seqs, heads, reverse", [
     # 16 whole-head segments at 8 heads: 128 (segment, head) pairs; whole-head reverse programs fill one wave
     (32768, 1, 8, hopper_forward.StatePassPlan(128, 2048)),
