@@ -93,10 +93,17 @@ for step in $steps; do
       # first without a tool, which compiles every program into the cache: under a tool TileLang's compiles
       # crawl (in session 17 memcheck spent its 400 s compiling); the tools then watch this process only
       timeout 400 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tail -3
+      # The three tools side by side, each its own process on the one GPU: one after another they took ~820 s
+      # with the compile pass (--chunked-only, H200, session 22), a third of a session's device time.
+      rm -f /tmp/sanitize-*.rc
       for tool in memcheck racecheck synccheck; do
-        timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 --target-processes application-only \
-          ${SANITIZE_KERNEL:+--kernel-name regex=$SANITIZE_KERNEL} python scripts/sanitize_kernels.py ${SANITIZE:-} \
-          > "$OUT/sanitize-$tool.log" 2>&1; echo "$tool: exit $?"
+        ( timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 --target-processes application-only \
+            ${SANITIZE_KERNEL:+--kernel-name regex=$SANITIZE_KERNEL} python scripts/sanitize_kernels.py ${SANITIZE:-} \
+            > "$OUT/sanitize-$tool.log" 2>&1; echo $? > "/tmp/sanitize-$tool.rc" ) &
+      done
+      wait
+      for tool in memcheck racecheck synccheck; do
+        echo "$tool: exit $(cat /tmp/sanitize-$tool.rc)"
         grep -v INFO "$OUT/sanitize-$tool.log" | grep -i "error summary\|hazard\|relative\|finite" | head -20
       done ;;
     hazards) # racecheck's hazards one by one (threads, block, shared address) for the kernels named by
