@@ -48,8 +48,8 @@ WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST) 
 FORWARD_SEGMENTS_MIN_CHUNKS = 256
 # ... and from this many whatever the programs' count: chains of 512 chunks cost more than the segments' passes
 # even where the walks' programs fill half the GPU ((8,16) 1x32768, the one such row of issue 14's grid:
-# 1.520 -> 1.370 ms normalized, H200, 2026-11-27, one process; H100, session 18: 1.037x normalized, 1.020x
-# l2norm; notes/backward-budget.md).
+# 1.520 -> 1.370 ms normalized, H200, 2026-11-27, one process, benchmarks/results/backward-candidates-ab-s22.md
+# names the command; H100, session 18: 1.037x normalized, 1.020x l2norm; notes/backward-budget.md).
 FORWARD_SEGMENTS_ANY_PROGRAMS = 512
 # Reverse-pass widths whose programs load P from chunk_scores rather than forming it in prep.  At 32
 # columns a head's four programs formed it four times and the chain waited for prep: 3196 -> 2614 cycles
@@ -75,7 +75,9 @@ def plan_recompute(plan: hopper_forward.StatePassPlan, num_seqs: int, num_v_head
     program takes about 1.3x a 32-column one's time per chunk: ``plan_state_pass``).
     Where whole heads would fit the half, the narrower programs' shorter time per chunk
     wins: measured beside the rule "whole heads wherever the walks' programs overflow"
-    (H200, 2026-11-27, one process, issue 14's grid, normalized), whole heads were
+    (H200, 2026-11-27, torch 2.11.0+cu130, tilelang 0.1.15, one process, issue 14's grid,
+    normalized; ``benchmarks/results/backward-candidates-ab-s22.md`` names the
+    command: the ``wide`` column), whole heads were
     2-5% faster at (16,64) with 2-8 sequences and (8,16) and (16,32) with 8, but 3-4%
     slower at (16,64) with one sequence (64 whole-head programs on 66 SMs, chains of
     128 and 512 chunks).  The reverse pass keeps its width: its whole-head programs

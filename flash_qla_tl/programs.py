@@ -105,9 +105,8 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, count))
                 for l2norm, count in itertools.product((True, False), sms)]
         out.append((build_chunk_scores, (hqk, hv, 128, dtype)))  # P, for the narrow reverse passes
-        # the recompute: at the walks' widths, and at whole heads where even those overflow the walks' half of the SMs
-        # (hopper_backward.plan_recompute)
-        for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST or b == 128]):
+        # the recompute at every width: the walks' own, and whole heads (hopper_backward.plan_recompute)
+        for has_state, b in itertools.product([True, False], widths):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))
         for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):

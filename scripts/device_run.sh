@@ -93,8 +93,8 @@ for step in $steps; do
       # first without a tool, which compiles every program into the cache: under a tool TileLang's compiles
       # crawl (in session 17 memcheck spent its 400 s compiling); the tools then watch this process only
       timeout 400 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tail -3
-      # The three tools side by side, each its own process on the one GPU: one after another they took ~820 s
-      # with the compile pass (--chunked-only, H200, session 22), a third of a session's device time.
+      # The three tools side by side, each its own process on the one GPU: one after another they took about 820 s
+      # with the compile pass (--chunked-only, H200, session 22; from the calls' wall times, not timed apart), a third of a session's device time.
       rm -f /tmp/sanitize-*.rc
       for tool in memcheck racecheck synccheck; do
         ( timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 --target-processes application-only \

@@ -7,9 +7,10 @@ one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm
 the forward under every state-pass plan (each value-block width, and context
 parallelism with its segment scan), then forward + backward through autograd
 (the recompute, the scores and the reverse walk, the local gradient kernel), the
-backward with its walks at each width of their own (32 columns: the scores kernel) and
-in segments of their own, and the backward in the segments of forwards that kept them
-(narrow and whole-head); then
+backward with its walks at each width of their own (32 columns: the scores kernel), with
+the recompute at whole heads beside a 64-column reverse pass, and in segments of their
+own, and the backward in the segments of forwards that kept them (narrow and
+whole-head); then
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
 its state once in a new tensor and once updated in place; and the layer's
 conv over packed sequences (lengths 1, 0, 70, 3, 300, 2: two programs' rows) with its backward, its
@@ -102,14 +103,16 @@ def check_layer_glue():
     assert max(errors) <= 2 * TOL, errors  # the module's roundings of ds and dn: twice the forward's
 
 
-def backward_with_walks(plan, *args):
-    """``hopper_backward.chunk_backward(*args)`` with the walks' own plan ``plan``."""
-    own = hopper_backward.plan_walks
+def backward_with_walks(plan, *args, recompute=None):
+    """``hopper_backward.chunk_backward(*args)`` with the walks' own plan ``plan`` (the recompute's
+    ``recompute``, default the same)."""
+    own, own_recompute = hopper_backward.plan_walks, hopper_backward.plan_recompute
     hopper_backward.plan_walks = lambda *_: plan
+    hopper_backward.plan_recompute = lambda *_: recompute or plan
     try:
         return hopper_backward.chunk_backward(*args)
     finally:
-        hopper_backward.plan_walks = own
+        hopper_backward.plan_walks, hopper_backward.plan_recompute = own, own_recompute
 
 
 def main():
@@ -158,6 +161,9 @@ def main():
         for block_v in hopper_backward.WALK_WIDTHS:  # the walks' own plan at each width, unsplit
             plan = hopper_forward.StatePassPlan(block_v, None)
             runs[f"backward, walks at {block_v} columns"] = backward_with_walks(plan, *inputs)
+        # the recompute at whole heads beside a narrower reverse pass, as plan_recompute gives on a full GPU
+        runs["backward, reverse at 64 columns, recompute at whole heads"] = backward_with_walks(
+            hopper_forward.StatePassPlan(64, None), *inputs, recompute=hopper_forward.StatePassPlan(128, None))
         # the walks split into segments of their own (four chunks): the reverse scan by the reverse maps
         plan = hopper_forward.StatePassPlan(32, 256)
         runs["backward, walks in segments of their own"] = backward_with_walks(plan, *inputs)
