@@ -58,11 +58,26 @@ FORWARD_SEGMENTS_ANY_PROGRAMS = 512
 SCORES_WIDTHS = (32,)
 
 
-def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device):
+def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device,
+               longest: int | None = None):
     """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs;
-    the reverse pass takes this width, at most WALK_WIDEST columns, the recompute :func:`plan_recompute`'s."""
+    the reverse pass takes this width, at most WALK_WIDEST columns, the recompute :func:`plan_recompute`'s.
+
+    ``longest``: the longest sequence's tokens, where the host knows them.  The walks
+    last as long as its chain, and a shorter sequence's programs end early, so the
+    width is chosen to fit the programs busy on average over that time, ``num_v_heads x
+    total_tokens / longest`` (sequence, value head) pairs, rather than all of them:
+    equal lengths give the same width as shapes alone, unequal ones may give a narrower
+    one.  Measured (H200, 2026-11-27, one process, issue 14's grid: the rule "fit all
+    the SMs" against "fit half", BENCHMARKS.md "Session 22"): 32 columns rather than 64
+    were 1.10-1.16x faster where that average at 32 columns is 37-59 programs ((2,4) in
+    8 sequences at 8192 and 32768 tokens, (4,8) 8192 in 4) and 0.88-0.91x where it is
+    104-128 ((16,32) in 1, (8,16) in 2, (4,8) 32768 in 4); 66 is half the SMs.
+    """
+    busy = None if not longest else num_v_heads * total_tokens / longest
     return hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device,
-                                          context_parallel.num_sms(device) // 2, widest=WALK_WIDEST)
+                                          context_parallel.num_sms(device) // 2, widest=WALK_WIDEST,
+                                          busy_heads=busy)
 
 
 def plan_recompute(plan: hopper_forward.StatePassPlan, num_seqs: int, num_v_heads: int,
@@ -154,7 +169,9 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
     hqk, hv, kdim, vdim, dtype = ops.config
     total, device, num_seqs = ops.v.shape[0], ops.v.device, ops.cu_seqlens.numel() - 1
     if segments is None:
-        plan = plan_walks(total, num_seqs, hv, device)
+        offsets = planning.known_offsets(ops.plan_offsets)
+        longest = None if offsets is None else planning.longest_sequence(offsets)
+        plan = plan_walks(total, num_seqs, hv, device, longest)
         recompute_plan = plan_recompute(plan, num_seqs, hv, device)
     else:
         recompute_plan, plan = plan_walks_in_segments(total, hv, segments.plan, device)

@@ -91,7 +91,7 @@ class StatePassPlan:
 
 
 def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device,
-                    sms: int | None = None, widest: int = 128) -> StatePassPlan:
+                    sms: int | None = None, widest: int = 128, busy_heads: float | None = None) -> StatePassPlan:
     """Pick the state pass's grid from shapes alone (no device values are read).
 
     A program's chunk-to-chunk time is a latency chain that grows little with
@@ -105,7 +105,9 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
     128-column program retires four times the columns of a 32-column one in
     about 1.3x the time per chunk.  (H200 measurements of every choice: ``benchmarks/compare_plans.py``,
     BENCHMARKS.md.)  ``sms``: the SMs the pass has to itself (default all; the
-    backward's two walks run side by side).
+    backward's two walks run side by side).  ``busy_heads``: the (sequence, value head)
+    pairs whose programs the width is chosen to fit (default all of them; the backward's
+    walks count those busy on average while the longest sequence runs).
     """
     sms = sms or context_parallel.num_sms(device)
     heads = num_v_heads * num_seqs
@@ -113,7 +115,7 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
         wide = context_parallel.wide_segment_length(total_tokens, num_seqs, heads, sms)
         if wide is not None:
             return StatePassPlan(HEAD_DIM, wide)
-    block_v = one_wave_width([b for b in BLOCK_WIDTHS if b <= widest], heads, sms)
+    block_v = one_wave_width([b for b in BLOCK_WIDTHS if b <= widest], busy_heads or heads, sms)
     programs = (HEAD_DIM // block_v) * heads
     return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
 
@@ -132,7 +134,7 @@ def value_correction(plan: StatePassPlan) -> str:
     return "kbar_derived" if plan.block_v == HEAD_DIM and plan.segment_tokens is None else "kbar_loaded"
 
 
-def one_wave_width(widths, heads: int, sms: int) -> int:
+def one_wave_width(widths, heads: float, sms: int) -> int:
     """The narrowest of ``widths`` (value columns per program, ascending) whose programs for ``heads``
     (sequence, value head) pairs all fit on ``sms`` SMs at once, else the widest."""
     fitting = [b for b in widths if (HEAD_DIM // b) * heads <= sms]

@@ -39,13 +39,35 @@ def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     """
     if cu_seqlens.is_inference():
         return tuple(cu_seqlens.tolist())
-    for ref, version, values in _HOST_OFFSETS:
-        if ref() is cu_seqlens and version == cu_seqlens._version:
-            return values
+    values = _remembered_offsets(cu_seqlens)
+    if values is not None:
+        return values
     values = tuple(cu_seqlens.tolist())
     _HOST_OFFSETS.insert(0, (weakref.ref(cu_seqlens), cu_seqlens._version, values))
     del _HOST_OFFSETS[_HOST_OFFSETS_KEPT:]
     return values
+
+
+def _remembered_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
+    for ref, version, values in _HOST_OFFSETS:
+        if ref() is cu_seqlens and version == cu_seqlens._version:
+            return values
+    return None
+
+
+def known_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...] | None:
+    """The offsets where the host can have them without waiting: :func:`host_offsets` outside CUDA-graph
+    capture; during capture those remembered from an eager call on the same tensor (the warm-up that
+    capture asks for), else None."""
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None if cu_seqlens.is_inference() else _remembered_offsets(cu_seqlens)
+    return host_offsets(cu_seqlens)
+
+
+@functools.lru_cache(maxsize=64)
+def longest_sequence(offsets: tuple[int, ...]) -> int:
+    """The most tokens of one sequence in ``offsets`` (0 for none)."""
+    return max((end - start for start, end in zip(offsets, offsets[1:])), default=0)
 
 
 def table(build, cu_seqlens: torch.Tensor, *args):

@@ -232,6 +232,20 @@ def test_offsets_rewritten_in_place_are_planned_again():
     _check(x)
 
 
+def test_offsets_known_during_capture_are_those_an_eager_call_read():
+    """Under capture the host may not read the device: planning.known_offsets gives the offsets an eager call
+    remembered for the same tensor, and None for a tensor it never read (the planner then plans from shapes)."""
+    from flash_qla_tl import planning
+
+    seen, fresh = torch.tensor([0, 3, 10], dtype=torch.int32, device="cuda"), torch.tensor([0, 4, 10], device="cuda")
+    planning.host_offsets(seen)
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        known = planning.known_offsets(seen), planning.known_offsets(fresh)
+        seen.add(0)  # the graph is not empty
+    assert known == ((0, 3, 10), None)
+
+
 @pytest.mark.parametrize("backwards, transposed", [(False, False), (True, False), (True, True)])
 def test_segment_scan_composes_affine_segment_maps(backwards, transposed):
     """The scan's entry states and final states against the float64 chain of maps, forwards (the forward's

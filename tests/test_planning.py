@@ -112,6 +112,33 @@ def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeyp
     assert hopper_backward.plan_walks(32768, seqs, heads, None) == walks
 
 
+@pytest.mark.parametrize("heads, lengths, shapes_only, by_longest", [
+    # unequal lengths: the programs busy on average over the longest chain fit at 32 columns
+    (4, [1320, 350, 3572, 333, 1596, 283, 205, 533], 64, 32),  # 4 x 8192 / 3572 = 9.2 pairs: 37 programs
+    (4, [11269, 6773, 1684, 1640, 3281, 947, 4431, 2743], 64, 32),  # 46 programs
+    (8, [4412, 3055, 107, 618], 64, 32),  # 59 programs
+    # ... or do not: the width stays
+    (8, [8661, 5669, 8331, 10107], 64, 64),  # 104 programs
+    (16, [4662, 3530], 64, 64),  # 112 programs
+    # equal lengths, one sequence: as from shapes alone
+    (4, [4096] * 8, 64, 64),
+    (32, [32768], 64, 64),
+])
+def test_the_walks_width_counts_the_programs_busy_over_the_longest_sequence(heads, lengths, shapes_only,
+                                                                            by_longest, monkeypatch):
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
+    total, seqs = sum(lengths), len(lengths)
+    assert hopper_backward.plan_walks(total, seqs, heads, None).block_v == shapes_only
+    assert hopper_backward.plan_walks(total, seqs, heads, None, max(lengths)).block_v == by_longest
+
+
+def test_known_offsets_are_the_host_offsets_outside_capture():
+    cu = torch.tensor([0, 3, 10, 10, 12])
+    assert planning.known_offsets(cu) == (0, 3, 10, 10, 12)
+    assert planning.longest_sequence(planning.known_offsets(cu)) == 7
+    assert planning.longest_sequence((0,)) == 0
+
+
 @pytest.mark.parametrize("heads, seqs, recompute", [
     # 64 programs of 64 columns a walk fit their half of the SMs: the recompute keeps the reverse pass's width
     (32, 1, hopper_forward.StatePassPlan(64, None)),
