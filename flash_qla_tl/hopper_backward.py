@@ -72,7 +72,11 @@ def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch
     the SMs" against "fit half", BENCHMARKS.md "Session 22"): 32 columns rather than 64
     were 1.10-1.16x faster where that average at 32 columns is 37-59 programs ((2,4) in
     8 sequences at 8192 and 32768 tokens, (4,8) 8192 in 4) and 0.88-0.91x where it is
-    104-128 ((16,32) in 1, (8,16) in 2, (4,8) 32768 in 4); 66 is half the SMs.
+    104-128 ((16,32) in 1, (8,16) in 2, (4,8) 32768 in 4); 66 is half the SMs.  This rule
+    against shapes alone (H200, 2026-11-27, ``backward-longest-ab-s23.md``, both modes,
+    (4,8) and (2,4) at 8192 and 32768 tokens): it re-plans exactly those three rows,
+    1.09-1.17x faster ((2,4) 32768 in 8 sequences 0.575 -> 0.515 ms), every other row
+    within 1%.
     """
     busy = None if not longest else num_v_heads * total_tokens / longest
     return hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device,
