@@ -39,10 +39,11 @@ from .chunked_backward import chunked_gated_delta_rule_backward
 from .reference import CHUNK
 
 
-# Value columns of the walks' own plan at most (measured up to 64: compare_plans.py --backward); in a
-# forward's segments the reverse pass may take whole heads (plan_walks_in_segments).
+# Value columns of the walks' own plan at most where their chains' latency sets the time (measured up to 64:
+# compare_plans.py --backward); where the SMs' throughput does, the reverse pass takes whole heads (plan_walks),
+# and in a forward's segments it may too (plan_walks_in_segments).
 WALK_WIDEST = 64
-WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST)  # the walks' choices
+WALK_WIDTHS = tuple(b for b in hopper_forward.BLOCK_WIDTHS if b <= WALK_WIDEST)  # the latency-bound choices
 # Chunks per sequence (mean) from which the walks take a forward's segments even where their own
 # plan would not split, if it leaves three quarters of the GPU idle: see walks_take_forward_segments.
 FORWARD_SEGMENTS_MIN_CHUNKS = 256
@@ -62,6 +63,13 @@ def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch
                longest: int | None = None):
     """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs;
     the reverse pass takes this width, at most WALK_WIDEST columns, the recompute :func:`plan_recompute`'s.
+    Where the pairs busy on average (below) overflow the half even at whole heads, the reverse pass
+    is bound by the SMs' throughput rather than its chains' latency, and takes whole heads: each
+    program loads a chunk's q, k, dO and forms P once for all 128 columns.  Measured (H200,
+    2026-11-27, one process, normalized, ``backward-wide-reverse-ab-s23.md``; whole heads wherever
+    the recompute takes them): 1.04-1.10x at (16,64) with 2-8 sequences (busy 112-207 pairs) and
+    1.02-1.04x at (16,32) 32768 in 4 and 8 (93-104), level at (16,32) 8192 in 8 (73); 0.90-0.93x
+    at (8,16) in 8 sequences, whose unequal lengths leave 37-46 pairs busy.
 
     ``longest``: the longest sequence's tokens, where the host knows them.  The walks
     last as long as its chain, and a shorter sequence's programs end early, so the
@@ -78,10 +86,13 @@ def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch
     1.09-1.17x faster ((2,4) 32768 in 8 sequences 0.575 -> 0.515 ms), every other row
     within 1%.
     """
-    busy = None if not longest else num_v_heads * total_tokens / longest
-    return hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device,
-                                          context_parallel.num_sms(device) // 2, widest=WALK_WIDEST,
+    half = context_parallel.num_sms(device) // 2
+    busy = num_v_heads * (total_tokens / longest if longest else num_seqs)
+    plan = hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device, half, widest=WALK_WIDEST,
                                           busy_heads=busy)
+    if plan.segment_tokens is None and busy > half:
+        return hopper_forward.StatePassPlan(hopper_forward.HEAD_DIM, None)
+    return plan
 
 
 def plan_recompute(plan: hopper_forward.StatePassPlan, num_seqs: int, num_v_heads: int,
@@ -99,10 +110,9 @@ def plan_recompute(plan: hopper_forward.StatePassPlan, num_seqs: int, num_v_head
     command: the ``wide`` column), whole heads were
     2-5% faster at (16,64) with 2-8 sequences and (8,16) and (16,32) with 8, but 3-4%
     slower at (16,64) with one sequence (64 whole-head programs on 66 SMs, chains of
-    128 and 512 chunks).  The reverse pass keeps its width: its whole-head programs
-    retire about as many columns per SM as its 64-column ones (~4.3 us a chunk against
-    ~2.2, notes/backward-budget.md items 7 and 19).  The recompute's chunk states do not
-    depend on its width: the local kernel reads them whole.
+    128 and 512 chunks).  The reverse pass takes whole heads by a stricter count of its own
+    (:func:`plan_walks`).  The recompute's chunk states do not depend on its width: the
+    local kernel reads them whole.
     """
     if plan.segment_tokens is None and num_v_heads * num_seqs > context_parallel.num_sms(device) // 2:
         return hopper_forward.StatePassPlan(hopper_forward.HEAD_DIM, None)

@@ -109,16 +109,18 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         for has_state, b in itertools.product([True, False], widths):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))
-        for has_state, b in itertools.product([True, False], [b for b in widths if b <= WALK_WIDEST]):
+        # the reverse pass at every width: the walks' own, and whole heads (hopper_backward.plan_walks where
+        # they overflow half the SMs); the narrow ones also as context parallelism's first pass (no stores)
+        # and its transition pass (no dO either)
+        for has_state, b in itertools.product([True, False], widths):
             scores = b in SCORES_WIDTHS
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, True, True, scores)))
-            # context parallelism's first reverse pass (no stores) and its transition pass (no dO either)
-            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, b, False, not has_state,
-                                                   scores)))
+            if b <= WALK_WIDEST:
+                out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, b, False, not has_state,
+                                                       scores)))
         if all_flags:  # in the segments of a forward that ran whole-head programs in segments: the
-            # recompute, and the reverse pass's first and last passes at whole heads
+            # recompute, and the reverse pass's first pass at whole heads
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,
                                               correction(128, True))))
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, 128, False, True)))
-            out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, True, 128)))
     return out

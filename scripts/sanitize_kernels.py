@@ -158,7 +158,8 @@ def main():
         runs = {"backward": torch.autograd.grad((o, s), [leaves[n] for n in names], (do.to(o.dtype), dht))}
         inputs = (*(x[n] for n in ("q", "k", "v", "g", "beta")), None, x["initial_state"], do.to(o.dtype), dht, True,
                   x["cu_seqlens"])
-        for block_v in hopper_backward.WALK_WIDTHS:  # the walks' own plan at each width, unsplit
+        for block_v in hopper_forward.BLOCK_WIDTHS:  # the walks' own plan at each width, unsplit (whole heads
+            # where they overflow half the SMs: plan_walks)
             plan = hopper_forward.StatePassPlan(block_v, None)
             runs[f"backward, walks at {block_v} columns"] = backward_with_walks(plan, *inputs)
         # the recompute at whole heads beside a narrower reverse pass, as plan_recompute gives on a full GPU

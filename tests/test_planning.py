@@ -103,8 +103,11 @@ def test_segment_chunk_table_has_the_sequence_chunks_with_segment_slots():
     # (32 programs each) do not.
     (4, 2, hopper_forward.StatePassPlan(128, 2048), hopper_forward.StatePassPlan(32, None)),
     # Four sequences at 32 heads: 128 programs of 128 columns fill the GPU in one wave, where
-    # narrower ones would take two; the walks stop at 64 columns, the reverse pass's widest.
-    (32, 4, hopper_forward.StatePassPlan(128, None), hopper_forward.StatePassPlan(64, None)),
+    # narrower ones would take two; for the walks even those overflow their half, so the reverse
+    # pass is throughput-bound and takes whole heads too.
+    (32, 4, hopper_forward.StatePassPlan(128, None), hopper_forward.StatePassPlan(128, None)),
+    # 64 pairs fit the half at whole heads: the reverse pass stays at its narrower latency-bound width
+    (64, 1, hopper_forward.StatePassPlan(64, None), hopper_forward.StatePassPlan(64, None)),
 ])
 def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeypatch):
     monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
@@ -123,6 +126,10 @@ def test_walks_are_planned_for_half_the_sms(heads, seqs, forward, walks, monkeyp
     # equal lengths, one sequence: as from shapes alone
     (4, [4096] * 8, 64, 64),
     (32, [32768], 64, 64),
+    # whole heads where the pairs busy overflow half the SMs (throughput-bound), not where only all pairs do
+    (64, [16834, 15934], 128, 128),  # 125 pairs busy
+    (64, [11269, 6773, 1684, 1640, 3281, 947, 4431, 2743], 128, 128),  # 186
+    (16, [11269, 6773, 1684, 1640, 3281, 947, 4431, 2743], 128, 64),  # 128 pairs, 47 busy
 ])
 def test_the_walks_width_counts_the_programs_busy_over_the_longest_sequence(heads, lengths, shapes_only,
                                                                             by_longest, monkeypatch):
