@@ -227,6 +227,79 @@ def test_context_parallel_reverse_passes_compile():
         build_reverse_state_pass(2, 8, 128, 128, "bfloat16", True, 64, False, False)
 
 
+def every_path_syncs(code: str) -> bool:
+    """Whether every path through ``code`` (generated CUDA from a write to a read, which may close blocks and open
+    others) passes a sync of the chain warpgroups (named barrier 3, 256 threads): a closed block counts where
+    entered (a loop runs at least once), an ``if`` only with an ``else`` that syncs too; a block still open at
+    the end holds the read, so a sync in it counts."""
+    frames = [{"kind": "top", "synced": False}]
+    after_if = False
+    for token in re.findall(r"\} else \{|if \(|\{|\}|__sync_thread_partial\(3, 256\)", code):
+        if token == "if (":
+            after_if = True
+        elif token == "{":
+            frames.append({"kind": "if" if after_if else "block", "synced": False})
+            after_if = False
+        elif token == "} else {":
+            then = frames.pop()
+            frames.append({"kind": "else", "synced": False, "then": then["synced"]})
+        elif token == "}":
+            if len(frames) == 1:
+                continue  # the end of a block the write sat in: what follows it is still on the path
+            frame = frames.pop()
+            if frame["synced"] and (frame["kind"] == "block" or (frame["kind"] == "else" and frame["then"])):
+                frames[-1]["synced"] = True
+        else:
+            frames[-1]["synced"] = True
+    return any(frame["synced"] for frame in frames)
+
+
+def unpublished_chain_tiles(source: str, tiles) -> list[str]:
+    """The chain tiles of ``tiles`` written by stmatrix (each warpgroup its part) and then read by a GEMM with
+    some path between the two that passes no chain sync."""
+    missing = []
+    for tile in tiles:
+        for write in re.finditer(rf"ptx_stmatrix\w*\(\(&\(\(\(bfloat16_t\*\){tile}\)", source):
+            read = re.search(rf"initialize_wgmma_descriptor<[^>]*>\(\w+, \(&\(\(\(bfloat16_t\*\){tile}\)",
+                             source[write.end():])
+            if read and not every_path_syncs(source[write.end(): write.end() + read.start()]):
+                missing.append(f"{tile} at offset {write.start()}")
+    return missing
+
+
+def test_every_path_syncs_reads_branches():
+    sync = "tl::__sync_thread_partial(3, 256);"
+    assert every_path_syncs(f"a; }} {sync} if (n) {{ b; }}")
+    assert not every_path_syncs(f"if (n == 64) {{ {sync} }} x;")
+    assert every_path_syncs(f"if (n == 64) {{ {sync} }} else {{ {sync} }}")
+    assert not every_path_syncs(f"if (n == 64) {{ {sync} }} else {{ y; }}")
+    assert every_path_syncs(f"for (int i = 0; i < 4; ++i) {{ {sync} }}")
+    assert every_path_syncs(f"}} {{ desc; {sync} ")  # the read's own block
+
+
+@pytest.mark.parametrize("block_v", [32, 64, 128])
+@pytest.mark.parametrize("last", [True, False], ids=["last pass", "first pass"])
+def test_reverse_pass_publishes_its_chain_tiles(block_v, last):
+    """dS' and dU (and Ak^T dU) are written by both chain warpgroups, each its part, and read whole by the next
+    GEMM: a chain sync on every path between, short chunks and passes that store nothing included (the whole-head
+    pass read a half-written dU under compute-sanitizer without one: notes/backward-racecheck.md)."""
+    scores = block_v in hopper_backward.SCORES_WIDTHS
+    config = (True, block_v, True, True, scores) if last else (False, block_v, False, True, scores)
+    source = compile_program(build_reverse_state_pass, 2, 8, 128, 128, "bfloat16", *config).get_kernel_source()
+    assert "ptx_stmatrix" in source and not unpublished_chain_tiles(source, ("ds_op", "du_op", "x_op"))
+
+
+@pytest.mark.parametrize("block_v", [32, 64, 128])
+@pytest.mark.parametrize("store_states", [True, False])
+def test_forward_pass_publishes_its_chain_tiles(block_v, store_states):
+    """The same for the forward's state pass (S, U, the narrow programs' W and decayed U)."""
+    correction = hopper_forward.value_correction(hopper_forward.StatePassPlan(block_v, None))
+    source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", True, True, block_v, store_states,
+                             not store_states, True, correction).get_kernel_source()
+    tiles = ("state_op", "u_op", "u_decayed_op", "w_op")
+    assert "ptx_stmatrix" in source and not unpublished_chain_tiles(source, tiles)
+
+
 @pytest.mark.parametrize("hqk,hv,dtype,l2norm", [(16, 32, "bfloat16", True), (2, 6, "float16", False)])
 def test_chunk_local_gradients_compile(hqk, hv, dtype, l2norm):
     source = compile_program(build_chunk_local_gradients, hqk, hv, 128, 128, dtype, l2norm, 132).get_kernel_source()

@@ -111,16 +111,32 @@ def start_walk(state, start, v0, rows, cols, transition_pass, has_start):
 
 
 @T.macro
+def publish_chain_tile():
+    """After every chain thread has written its part of a shared tile, before a GEMM or a TMA store reads it
+    whole: the writes leave the generic proxy, and both chain warpgroups have made theirs.
+
+    A GEMM of one chain warpgroup commonly reads the other's part (a state-shaped
+    accumulator is split by rows, its operand read by columns).  TileLang inserts such a
+    sync itself, except where a sync sits in one branch between write and read: the
+    whole-head reverse pass's dU of a short chunk (it stores no tile) was read half-written
+    under compute-sanitizer's timing (notes/backward-racecheck.md).  A hand-off that stores
+    no tile on some path says so here; tests/test_kernels_compile.py checks every path of
+    the state passes' generated code.
+    """
+    T.fence_proxy_async()  # the generic-proxy writes, before the async proxy (wgmma, TMA) reads them
+    T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+
+
+@T.macro
 def store_chain_tile(tile, dest):
-    """``tile`` (shared, just written by every chain thread) to ``dest`` in one TMA store.
+    """``tile`` (shared, just written by every chain thread) to ``dest`` in one TMA store, published first.
 
     One thread issues it and nobody waits for it until the tile is written again
     (:func:`reuse_chain_tile`).  The chain's own per-thread stores of an accumulator
     (4 bytes, 8 rows per instruction) held it for a third of a chunk's cycles
     (chunk_forward's ``o``, notes/forward-budget.md).
     """
-    T.fence_proxy_async()  # the generic-proxy writes, before the TMA unit reads them
-    T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+    publish_chain_tile()
     T.tma_copy(tile, dest)
 
 

@@ -95,8 +95,8 @@ def build_reverse_state_pass(
 
     from .chunk_pipeline import (
         CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES, STATE_ROWS,
-        gate_scores, head_columns, load_gates, register_split, reuse_chain_tile, start_walk, store_chain_tile,
-        zero_rows_past,
+        gate_scores, head_columns, load_gates, publish_chain_tile, register_split, reuse_chain_tile, start_walk,
+        store_chain_tile, zero_rows_past,
     )
 
     K, V, C = head_dim_k, head_dim_v, chunk
@@ -228,6 +228,8 @@ def build_reverse_state_pass(
                     T.copy(du_acc, du_op)  # the previous dU's store has read it: reuse_chain_tile above
                     if store_outputs and n == C:  # a whole chunk's dU leaves from its operand copy
                         store_chain_tile(du_op, du[s : s + C, hv, v0 : v0 + block_v])
+                    else:  # round 2's Kbar^T dU reads every column; each chain warpgroup wrote half of them
+                        publish_chain_tile()
 
                     # Round 2: dS += Kbar^T dU (narrow: K^T (Ak^T dU)); a sequence's short last chunk
                     # stores its rows meanwhile.  Round 1's last GEMM (Q^T dO) is done by now as a rule.
