@@ -68,7 +68,7 @@ def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch
     program loads a chunk's q, k, dO and forms P once for all 128 columns.  Measured (H200,
     2026-11-27, one process, normalized, ``backward-wide-reverse-ab-s23.md``; whole heads wherever
     the recompute takes them): 1.04-1.10x at (16,64) with 2-8 sequences (busy 112-207 pairs) and
-    1.02-1.04x at (16,32) 32768 in 4 and 8 (93-104), level at (16,32) 8192 in 8 (73); 0.90-0.93x
+    1.02-1.04x at (16,32) 32768 in 4 and 8 (93-104), level at (16,32) 8192 in 8 (73); 0.90-0.94x
     at (8,16) in 8 sequences, whose unequal lengths leave 37-46 pairs busy.
 
     ``longest``: the longest sequence's tokens, where the host knows them.  The walks
