@@ -289,11 +289,12 @@ def test_reverse_pass_publishes_its_chain_tiles(block_v, last):
     assert "ptx_stmatrix" in source and not unpublished_chain_tiles(source, ("ds_op", "du_op", "x_op"))
 
 
-@pytest.mark.parametrize("block_v", [32, 64, 128])
+@pytest.mark.parametrize("block_v, segments", [(32, False), (64, False), (128, False), (128, True)])
 @pytest.mark.parametrize("store_states", [True, False])
-def test_forward_pass_publishes_its_chain_tiles(block_v, store_states):
-    """The same for the forward's state pass (S, U, the narrow programs' W and decayed U)."""
-    correction = hopper_forward.value_correction(hopper_forward.StatePassPlan(block_v, None))
+def test_forward_pass_publishes_its_chain_tiles(block_v, segments, store_states):
+    """The same for the forward's state pass (S, U, the narrow programs' W and decayed U), also as context
+    parallelism runs it at whole heads (Ak loaded, not derived)."""
+    correction = hopper_forward.value_correction(hopper_forward.StatePassPlan(block_v, 2048 if segments else None))
     source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", True, True, block_v, store_states,
                              not store_states, True, correction).get_kernel_source()
     tiles = ("state_op", "u_op", "u_decayed_op", "w_op")
