@@ -277,14 +277,15 @@ def test_every_path_syncs_reads_branches():
     assert every_path_syncs(f"}} {{ desc; {sync} ")  # the read's own block
 
 
-@pytest.mark.parametrize("block_v", [32, 64, 128])
-@pytest.mark.parametrize("last", [True, False], ids=["last pass", "first pass"])
-def test_reverse_pass_publishes_its_chain_tiles(block_v, last):
+@pytest.mark.parametrize("block_v, kind", [(b, kind) for b in (32, 64, 128) for kind in ("last", "first")]
+                         + [(32, "transition"), (64, "transition")])
+def test_reverse_pass_publishes_its_chain_tiles(block_v, kind):
     """dS' and dU (and Ak^T dU) are written by both chain warpgroups, each its part, and read whole by the next
     GEMM: a chain sync on every path between, short chunks and passes that store nothing included (the whole-head
     pass read a half-written dU under compute-sanitizer without one: notes/backward-racecheck.md)."""
     scores = block_v in hopper_backward.SCORES_WIDTHS
-    config = (True, block_v, True, True, scores) if last else (False, block_v, False, True, scores)
+    config = {"last": (True, block_v, True, True, scores), "first": (False, block_v, False, True, scores),
+              "transition": (False, block_v, False, False, scores)}[kind]
     source = compile_program(build_reverse_state_pass, 2, 8, 128, 128, "bfloat16", *config).get_kernel_source()
     assert "ptx_stmatrix" in source and not unpublished_chain_tiles(source, ("ds_op", "du_op", "x_op"))
 
