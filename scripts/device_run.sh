@@ -72,7 +72,9 @@ for step in $steps; do
              | tee "$OUT/gpu-tests.log" | tail -40 ;;
     bwdtests) timeout 420 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_backward.py 2>&1 \
              | tee "$OUT/gpu-tests-backward.log" | tail -30 ;;
-    plans) python benchmarks/compare_plans.py ${BENCH_HEADS:+--heads $BENCH_HEADS} ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | grep -v INFO \
+    plans) # PLANS_ARGS: more options of compare_plans.py (--backward: the walks' plans)
+           python benchmarks/compare_plans.py ${PLANS_ARGS:-} ${BENCH_HEADS:+--heads $BENCH_HEADS} \
+             ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | grep -v INFO \
              | tee "$OUT/plans.log" | tail -40 ;;
     quick) python benchmarks/bench_forward.py --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -12 ;;
     # CANDIDATE (full, bwd): other revisions' package directories, NAME=DIR separated by spaces, e.g.
