@@ -61,12 +61,13 @@ SCORES_WIDTHS = (32,)
 
 def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device,
                longest: int | None = None):
-    """The walks' grid (``hopper_forward.plan_state_pass``): both run at once, so each gets half the SMs;
-    the reverse pass takes this width, at most WALK_WIDEST columns, the recompute :func:`plan_recompute`'s.
-    Where the pairs busy on average (below) overflow the half even at whole heads, the reverse pass
-    is bound by the SMs' throughput rather than its chains' latency, and takes whole heads: each
-    program loads a chunk's q, k, dO and forms P once for all 128 columns.  Measured (H200,
-    2026-11-27, one process, normalized, ``backward-wide-reverse-ab-s23.md``; whole heads wherever
+    """The reverse pass's grid (``hopper_forward.plan_state_pass``; the recompute's is :func:`plan_recompute`'s):
+    both walks run at once, so each gets half the SMs, and the width is at most WALK_WIDEST columns,
+    except where the pairs busy on average (below) overflow the half even at whole heads: there the
+    pass is bound by the SMs' throughput rather than its chains' latency, and takes whole heads
+    (:func:`throughput_bound`): each program loads a chunk's q, k, dO and forms P once for all 128
+    columns.  Measured (H200, 2026-11-27, torch 2.11.0+cu130, tilelang 0.1.15, one process,
+    normalized, ``backward-wide-reverse-ab-s23.md``, which names the command; whole heads wherever
     the recompute takes them): 1.04-1.10x at (16,64) with 2-8 sequences (busy 112-207 pairs) and
     1.02-1.04x at (16,32) 32768 in 4 and 8 (93-104), level at (16,32) 8192 in 8 (73); 0.90-0.94x
     at (8,16) in 8 sequences, whose unequal lengths leave 37-46 pairs busy.
@@ -76,7 +77,7 @@ def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch
     width is chosen to fit the programs busy on average over that time, ``num_v_heads x
     total_tokens / longest`` (sequence, value head) pairs, rather than all of them:
     equal lengths give the same width as shapes alone, unequal ones may give a narrower
-    one.  Measured (H200, 2026-11-27, one process, issue 14's grid: the rule "fit all
+    one.  Measured (H200, 2026-11-27, same versions, one process, issue 14's grid: the rule "fit all
     the SMs" against "fit half", BENCHMARKS.md "Session 22"): 32 columns rather than 64
     were 1.10-1.16x faster where that average at 32 columns is 37-59 programs ((2,4) in
     8 sequences at 8192 and 32768 tokens, (4,8) 8192 in 4) and 0.88-0.91x where it is
@@ -90,7 +91,15 @@ def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch
     busy = num_v_heads * (total_tokens / longest if longest else num_seqs)
     plan = hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device, half, widest=WALK_WIDEST,
                                           busy_heads=busy)
-    if plan.segment_tokens is None and busy > half:
+    return throughput_bound(plan, busy, device)
+
+
+def throughput_bound(plan: hopper_forward.StatePassPlan, pairs: float,
+                     device: torch.device) -> hopper_forward.StatePassPlan:
+    """``plan``, or whole heads where it runs whole sequences and ``pairs`` (sequence, value head) pairs of
+    whole-head programs would still overflow the walks' half of the SMs: a walk bound by the SMs' throughput
+    rather than its chains' latency retires the most columns per SM at whole heads."""
+    if plan.segment_tokens is None and pairs > context_parallel.num_sms(device) // 2:
         return hopper_forward.StatePassPlan(hopper_forward.HEAD_DIM, None)
     return plan
 
@@ -100,7 +109,7 @@ def plan_recompute(plan: hopper_forward.StatePassPlan, num_seqs: int, num_v_head
     """The recompute's grid beside a reverse pass planned ``plan``: the same, but at whole heads where even
     whole-head programs, one per (sequence, value head), overflow the walks' half of the SMs.
 
-    Then the recompute is bound by the SMs' throughput, not by its chains' latency, and the
+    Then the recompute is bound by the SMs' throughput (:func:`throughput_bound`), and the
     forward's state pass retires the most columns per SM at whole heads (a 128-column
     program takes about 1.3x a 32-column one's time per chunk: ``plan_state_pass``).
     Where whole heads would fit the half, the narrower programs' shorter time per chunk
@@ -114,9 +123,7 @@ def plan_recompute(plan: hopper_forward.StatePassPlan, num_seqs: int, num_v_head
     (:func:`plan_walks`).  The recompute's chunk states do not depend on its width: the
     local kernel reads them whole.
     """
-    if plan.segment_tokens is None and num_v_heads * num_seqs > context_parallel.num_sms(device) // 2:
-        return hopper_forward.StatePassPlan(hopper_forward.HEAD_DIM, None)
-    return plan
+    return throughput_bound(plan, num_v_heads * num_seqs, device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -105,14 +105,12 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, count))
                 for l2norm, count in itertools.product((True, False), sms)]
         out.append((build_chunk_scores, (hqk, hv, 128, dtype)))  # P, for the narrow reverse passes
-        # the recompute at every width: the walks' own, and whole heads (hopper_backward.plan_recompute)
+        # both walks at every width: the walks' own, and whole heads (hopper_backward.throughput_bound); the
+        # narrow reverse passes also as context parallelism's first pass (no stores) and its transition pass
+        # (no dO either)
         for has_state, b in itertools.product([True, False], widths):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
                                               correction(b))))
-        # the reverse pass at every width: the walks' own, and whole heads (hopper_backward.plan_walks where
-        # they overflow half the SMs); the narrow ones also as context parallelism's first pass (no stores)
-        # and its transition pass (no dO either)
-        for has_state, b in itertools.product([True, False], widths):
             scores = b in SCORES_WIDTHS
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, True, True, scores)))
             if b <= WALK_WIDEST:
