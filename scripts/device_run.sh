@@ -70,8 +70,9 @@ for step in $steps; do
     tests) # the slowest tests listed (a first call compiles the programs the cache lacks)
            timeout 540 python -m pytest -m gpu -q -rf --durations=15 --timeout 300 --timeout-method thread tests 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40 ;;
-    bwdtests) timeout 420 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_backward.py 2>&1 \
-             | tee "$OUT/gpu-tests-backward.log" | tail -30 ;;
+    bwdtests) # BWD_TESTS_K: pytest's -k (a subset of the backward's GPU tests)
+      timeout 420 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_backward.py \
+        ${BWD_TESTS_K:+-k "$BWD_TESTS_K"} 2>&1 | tee "$OUT/gpu-tests-backward.log" | tail -30 ;;
     plans) # PLANS_ARGS: more options of compare_plans.py (--backward: the walks' plans)
            python benchmarks/compare_plans.py ${PLANS_ARGS:-} ${BENCH_HEADS:+--heads $BENCH_HEADS} \
              ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} 2>&1 | grep -v INFO \
