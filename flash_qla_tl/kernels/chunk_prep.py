@@ -33,10 +33,13 @@ that of fp32 forward substitution (same class, checked against float64).  Only
 the Gram matrix goes through the tensor cores (``dtype`` operands, whose products
 are exact in fp32, with fp32 accumulation).
 
-Tokens past ``n`` belong to another chunk or lie beyond the tensor: they are
-loaded as ``k = 0``, ``beta = 0``, ``g = 0``.  Their rows of ``M`` then vanish and
-their columns of ``A`` are ``A0[:, j] * 0 = 0``, which is exactly what the
-contract asks for columns ``j >= n``; their rows are never stored.
+Tokens past ``n`` belong to another chunk or lie beyond the tensor: the key
+tile's TMA load brings them as they are (zeros past the tensor's end, anything,
+inf and NaN included, in padding), and the Gram matrix's rows and columns
+``>= n`` are selected to zero; ``beta`` and ``g`` are loaded as 0.  Their rows
+of ``M`` then vanish and their columns of ``A`` are ``A0[:, j] * 0 = 0``, which
+is exactly what the contract asks for columns ``j >= n``; their rows are never
+stored.
 """
 
 # No ``from __future__ import annotations``: TileLang evaluates the ``T.Tensor``
@@ -122,8 +125,10 @@ def build_chunk_prep(
                     Mt[b * B + c, group_of(b * B + c, b * B + G * q), a] = x[G * q + a]
 
     @T.macro
-    def block_sums(Mt, X, P, acc, thread, level):
-        """``P_p = sum_{k=j}^{i-1} M_ik X_kj`` for the pairs ``(i, j) = (level + p, p)``.
+    def block_sums(Mt, X, acc, thread, level):
+        """``P_p = sum_{k=j}^{i-1} M_ik X_kj`` for the pairs ``(i, j) = (level + p, p)``, into ``X``'s block
+        ``(0, p + 1)``: above the diagonal, never part of ``A0``, so free scratch (3 KB of shared memory
+        that a buffer of its own would take, which the keys' TMA barrier needs to keep six programs per SM).
 
         32 threads (one warp) per pair, each a 4 x 2 micro-tile: rows ``4 g + a`` of the
         block for lane group ``g = lane // 8``, columns ``2 (lane % 8) + e``.  Per k, one
@@ -149,10 +154,10 @@ def build_chunk_prep(
                     acc[a * 2 + e] += m[a] * xs[e]
         for a in T.unroll(G):
             for e in T.vectorized(2):
-                P[p * B + (lane // 8) * G + a, (lane % 8) * 2 + e] = acc[a * 2 + e]
+                X[(lane // 8) * G + a, (p + 1) * B + (lane % 8) * 2 + e] = acc[a * 2 + e]
 
     @T.macro
-    def block_products(Mt, X, P, acc, thread, level):
+    def block_products(Mt, X, acc, thread, level):
         """``X_ij <- -X_ii P_p`` for the same pairs and micro-tiles, ``X_ii`` read transposed from ``Mt``."""
         p = thread // 32
         lane = thread % 32
@@ -167,7 +172,7 @@ def build_chunk_prep(
             for a in T.vectorized(G):
                 xt[a] = Mt[i * B + kk, group_of(i * B + kk, r0), a]
             for e in T.vectorized(2):
-                ps[e] = P[p * B + kk, (lane % 8) * 2 + e]
+                ps[e] = X[kk, (p + 1) * B + (lane % 8) * 2 + e]
             for a in T.unroll(G):
                 for e in T.unroll(2):
                     acc[a * 2 + e] -= xt[a] * ps[e]
@@ -176,13 +181,13 @@ def build_chunk_prep(
                 X[r0 + a, c0 + e] = acc[a * 2 + e]
 
     @T.macro
-    def off_diagonal_level(Mt, X, P, acc, thread, level):
+    def off_diagonal_level(Mt, X, acc, thread, level):
         """All blocks ``X_ij`` with ``i - j == level``: ``4 - level`` pairs, one warp each."""
         if thread < 32 * (C // B - level):
-            block_sums(Mt, X, P, acc, thread, level)
+            block_sums(Mt, X, acc, thread, level)
         T.sync_threads()
         if thread < 32 * (C // B - level):
-            block_products(Mt, X, P, acc, thread, level)
+            block_products(Mt, X, acc, thread, level)
         T.sync_threads()
 
     @T.macro
@@ -253,7 +258,8 @@ def build_chunk_prep(
         # they read its key rows (shared by a q/k head's value heads) while those are still in L2.
         # (Not a 2-D grid with the chunks on y, whose 65535 would cap T at 4M tokens.)
         with T.Kernel(num_chunks * num_v_heads, threads=threads) as program:
-            # 72 registers and 36 KB of shared memory: 6 blocks fit on an SM; more blocks in
+            # 72 registers and 34 KB of shared memory (and the keys' barrier, which starts the
+            # 1 KB-aligned dynamic buffer 1 KB later): 6 blocks fit on an SM; more blocks in
             # flight hide the k loads, A stores and short solves of the others.  (A seventh,
             # with X packed to its ten lower blocks, measured 6% slower on an H100.)
             T.annotate_min_blocks_per_sm(6)
@@ -268,14 +274,14 @@ def build_chunk_prep(
             # read only), in groups of G columns (``group_of``): a micro-tile's four rows of M in
             # one column are one group.  Its diagonal blocks then hold the X_ii transposed.
             Mt = T.alloc_shared([C, C // G, G], accum)
-            # A0 = (I + M)^-1, block lower triangular; blocks above the diagonal are never written.
+            # A0 = (I + M)^-1, block lower triangular; of the blocks above the diagonal, (0, 1..3) hold
+            # the levels' block sums (block_sums), the others are never written.
             # Rows padded by X_PAD floats: a micro-tile store (four lane groups, rows 4 apart) and
             # write_operands' row loads (rows 1 apart) then spread over all banks instead of
             # meeting on the same ones (4-way and 2-way conflicts unpadded); the 1 KB it costs
             # still leaves six programs per SM.
             X = T.alloc_shared([C, C + X_PAD], accum)
-            # One 16 x 16 block of sums per pair of a level (at most 3 pairs).
-            P = T.alloc_shared([3 * B, B], accum)
+            keys_loaded = T.alloc_barrier(arrive_count=threads)
             x = T.alloc_local([B], accum)
             acc = T.alloc_local([8], accum)
 
@@ -287,15 +293,21 @@ def build_chunk_prep(
             thread = T.get_thread_binding()
 
             if n > 0:  # n == 0 is a padding entry of the chunk table: nothing to do
-                # Rows r >= n are other chunks' tokens (or past the end of the tensor).
-                for r, d in T.Parallel(C, head_dim):
-                    k_tile[r, d] = T.if_then_else(r < n, k[s + r, qk_head, d], T.cast(0, dtype))
+                # One TMA load: no registers parked on global loads, and no load or store of the tile
+                # through the L1/shared pipe, which the solve saturates (ncu: 92% on an H100).  Rows
+                # r >= n are other chunks' tokens (or, past the end of the tensor, zeros); whatever
+                # they hold reaches only the Gram matrix's rows and columns >= n, masked below.
+                T.tma_copy(k[s : s + C, qk_head, :], k_tile, barrier=keys_loaded)
+                T.barrier_arrive(keys_loaded)
                 for r in T.Parallel(C):
                     beta_tile[r] = T.if_then_else(r < n, beta[s + r, head], T.float32(0))
                     g_tile[r] = T.if_then_else(r < n, g[s + r, head], T.float32(0))
-                    if not key_norms:
-                        k_scale[r] = T.if_then_else(r < n, k_norm[s + r, qk_head], T.float32(0))
+                    # With key_norms the Gram matrix's diagonal overwrites it; written here all the same, so
+                    # that it is live beside the key tile: otherwise the shared-memory merge may give it the
+                    # tile's space, which M^T then cannot take (50 KB a program, four per SM instead of six).
+                    k_scale[r] = T.if_then_else(r < n and not key_norms, k_norm[s + r, qk_head], T.float32(0))
 
+                T.barrier_wait(keys_loaded, 0)
                 # Sum in natural log, then change base once: gamma_r = log2(e) * sum_{j<=r} g_j.
                 T.cumsum(src=g_tile, dst=gamma_tile, dim=0)
                 for r in T.Parallel(C):
@@ -321,6 +333,11 @@ def build_chunk_prep(
                 # of a loop that both reads and writes shared memory (16 here: 3% of the kernel's time, H100).
                 for r, j in T.Parallel(C, C):
                     gram[r, j] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
+                # Rows and columns >= n: the TMA tile's tokens of other chunks, which may be inf or NaN
+                # (0 * inf above).  A select of registers, in a loop of its own: in the loop above it
+                # split the shared loads of the factors into scalar ones.
+                for r, j in T.Parallel(C, C):
+                    gram[r, j] = T.Select(r < n and j < n, gram[r, j], T.float32(0))
                 T.sync_threads()  # the Gram GEMM has read k_tile, which Mt overwrites
                 for r, j in T.Parallel(C, C):
                     Mt[r, group_of(r, j), j % G] = gram[r, j]
@@ -332,9 +349,9 @@ def build_chunk_prep(
                 invert_diagonal_blocks(Mt, X, x, thread)
                 T.sync_threads()
                 # Written out per level so that every k loop has a constant length.
-                off_diagonal_level(Mt, X, P, acc, thread, 1)
-                off_diagonal_level(Mt, X, P, acc, thread, 2)
-                off_diagonal_level(Mt, X, P, acc, thread, 3)
+                off_diagonal_level(Mt, X, acc, thread, 1)
+                off_diagonal_level(Mt, X, acc, thread, 2)
+                off_diagonal_level(Mt, X, acc, thread, 3)
 
                 write_operands(X, beta_tile, k_scale, gamma_tile, row_gate, A_keys, A_values, A_inverse, s, n, head,
                                thread)
@@ -343,5 +360,5 @@ def build_chunk_prep(
 
 
 # Shared memory by liveness: Mt takes the key tile's space once the Gram matrix has read
-# it, so a program keeps to 36 KB, six per SM.
+# it, so a program keeps to 34 KB, six per SM.
 build_chunk_prep.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
