@@ -198,8 +198,8 @@ def build_chunk_prep(
         ``t // 8 + 16 i``: its column factors (``beta_j``, ``beta_j rk_j``, ``gamma_j``)
         stay in registers, ``X`` comes in 16-byte loads and every output row segment
         leaves in one 16-byte store (8 threads write a row's 128 contiguous bytes).
-        ``A[r, j] = A0[r, j] beta_j`` is zero above the block diagonal (never written
-        in ``X``: a select, so stale shared memory cannot leak in); ``E`` would
+        ``A[r, j] = A0[r, j] beta_j`` is zero above the block diagonal (where ``X`` holds
+        the level sums or stale shared memory: a select, so neither can leak in); ``E`` would
         overflow above the diagonal, so it is a select too.
         """
         j0 = (thread % 8) * 8
