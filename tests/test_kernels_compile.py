@@ -37,6 +37,12 @@ def shared_memory_used(source: str) -> int:
     return max(offsets, default=0)
 
 
+def shared_buffers(source: str) -> dict[str, int]:
+    """The named buffers a kernel places in its dynamic shared memory, and their offsets."""
+    return {name: int(offset) for name, offset in
+            re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", source)}
+
+
 @pytest.mark.parametrize("layout", [CHUNK_ROWS, SEGMENT_STARTS])
 def test_sequence_pieces_compiles(layout):
     source = compile_program(build_sequence_pieces, layout).get_kernel_source()
@@ -117,7 +123,8 @@ def test_inverse_norms_compiles(dtype):
 
 @pytest.mark.parametrize("hqk,hv,dtype,store_inverse,store_keys,key_norms", [
     (16, 32, "bfloat16", False, True, False), (16, 32, "bfloat16", False, False, True),
-    (2, 8, "float16", True, True, True), (16, 64, "bfloat16", True, True, False), (16, 32, "bfloat16", False, True, True)])
+    (2, 8, "float16", True, True, True), (16, 64, "bfloat16", True, True, False),
+    (16, 32, "bfloat16", False, True, True)])
 def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys, key_norms):
     source = compile_program(build_chunk_prep, hqk, hv, 128, dtype, store_inverse, store_keys,
                              key_norms).get_kernel_source()
@@ -130,13 +137,13 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys, key_norm
     # both reads and writes shared memory (the store of M^T had 16, 3% of the kernel's time on an H100).
     assert not re.search(r"for \(int [^)]*\) \{\s*__syncthreads\(\);", source)
     # The key tile by TMA (one barrier, no loads through registers), which M^T then overlays.
-    assert "tma_load(k_desc" in source and re.search(r"void\* Mt = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ 0\)\)", source)
+    buffers = shared_buffers(source)
+    assert "tma_load(k_desc" in source and buffers["Mt"] == buffers["k_tile"] == 0
     # Six programs per SM (228 KB, less the 1 KB the driver keeps per program and the 1 KB by which the
     # barrier moves the 1 KB-aligned dynamic buffer): every buffer ends within that sixth, padded X and all.
     sizes = {"Mt": 64 * 64 * 4, "k_tile": 64 * 128 * 2, "X": 64 * 68 * 4}  # the rest: 64 floats
-    ends = [int(offset) + sizes.get(name, 64 * 4)
-            for name, offset in re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", source)]
-    assert len(ends) >= 7 and max(ends) <= 228 * 1024 // 6 - 2 * 1024
+    assert len(buffers) >= 7
+    assert max(offset + sizes.get(name, 64 * 4) for name, offset in buffers.items()) <= 228 * 1024 // 6 - 2 * 1024
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,has_h0,store_ht,block_v", [
