@@ -20,18 +20,19 @@ For one chunk of ``n <= C`` tokens (first token ``s``) and one value head:
   ``G = exp2(gamma)``), which multiplies the keys where a pass forms ``Kbar``.
 
 ``I + M`` is unit lower triangular, so ``A0`` needs no division.  It is inverted
-by 16 x 16 blocks, all in fp32 CUDA-core arithmetic: the four diagonal blocks
-``X_ii = (I + M_ii)^-1`` by forward substitution (one thread per column, 120
-FMAs), then the blocks below the diagonal level by level (``i - j = 1, 2, 3``),
-``X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj``, one warp per block with 4 x 2
-register micro-tiles.  The solve keeps the load/store pipe busy (ncu: L1/shared
-throughput 96% on an H200), so its left operands (``M``, and ``X_ii`` in ``M``'s
-dead diagonal blocks) are stored transposed: a micro-tile's four rows in one
-column are one 16-byte load, conflict-free.  There is no power series and no
-assumption on the size of ``M``, so keys need not be normalised and beta may reach 2; the rounding error is
-that of fp32 forward substitution (same class, checked against float64).  Only
-the Gram matrix goes through the tensor cores (``dtype`` operands, whose products
-are exact in fp32, with fp32 accumulation).
+by 16 x 16 blocks in fp32: the four diagonal blocks ``X_ii = (I + M_ii)^-1`` by
+forward substitution on CUDA cores (one thread per column, 120 FMAs), then the
+six blocks below the diagonal by 32 x 32 doubling (``off_diagonal_blocks``) on
+the tensor cores, as TF32 ``mma.sync`` with each fp32 operand split in a TF32
+head and tail (``hi hi + hi lo + lo hi``: about 21 significant bits, the
+rounding of the fp32 substitution it replaced, where one TF32 product would
+carry 11).  On CUDA cores the same products kept the load/store pipe at 88-96%
+(ncu, H200) with 144 dependent k-steps; a fragment reads each operand once.
+There is no power series and no assumption on the size of ``M``, so keys need
+not be normalised and beta may reach 2; the rounding error is that of a
+blocked fp32 substitution (checked against float64).  The Gram matrix goes
+through the tensor cores too (``dtype`` operands, whose products are exact in
+fp32, with fp32 accumulation).
 
 Tokens past ``n`` belong to another chunk or lie beyond the tensor: the key
 tile's TMA load brings them as they are (zeros past the tensor's end, anything,
@@ -82,8 +83,7 @@ def build_chunk_prep(
     v_heads_per_qk_head = num_v_heads // num_qk_heads
     C = chunk
     B = 16  # block size of the blocked inverse
-    G = 4  # floats per group of M^T's columns: a micro-tile's four rows, one 16-byte load
-    X_PAD = 4  # floats of padding per row of X (see its allocation)
+    S = 8  # floats per group of a solve buffer's row (one tensor-core fragment's columns), see ``solve_slot``
     # One warpgroup, because the Gram matrix is a single 64 x 64 wgmma tile.
     threads = 128
     accum = "float32"
@@ -93,17 +93,25 @@ def build_chunk_prep(
     num_inverse_rows = T.dynamic("num_inverse_rows")
     num_keys_rows = T.dynamic("num_keys_rows")
 
-    def group_of(row, col):
-        """Where group ``col // G`` of row ``row`` of ``Mt`` is stored: the group index XOR the row's
-        low 3 bits.  The accumulator's stores write 8 rows of one column pair per
-        instruction (without it the same banks, 8-way); a group stays 16 contiguous bytes."""
-        return (col // G) ^ (row % 8)
+    def solve_slot(row, col):
+        """Where group ``col // S`` of row ``row`` of ``Mt`` or ``X`` is stored: the group index XOR ``row % 4``.
+
+        A warp's tensor-core fragment reads four rows ``k0 + t`` (``t < 4``) of eight columns in one
+        group, and its accumulator writes rows ``r + gid`` of column pairs: unswizzled, rows 64 floats
+        apart fall on the same banks (4- and 8-way); with the XOR every such access is conflict-free.
+        A group stays 32 contiguous bytes.
+        """
+        return (col // S) ^ (row % 4)
+
+    def at(buf, row, col):
+        """Element ``(row, col)`` of a swizzled solve buffer."""
+        return buf[row, solve_slot(row, col), col % S]
 
     @T.macro
     def invert_diagonal_blocks(Mt, X, x, thread):
         """``X_bb <- (I + M_bb)^-1`` for the four 16 x 16 diagonal blocks (threads 0..63), stored twice:
-        in ``X``, and transposed over ``M_bb`` in ``Mt`` (dead once read here), as ``block_products``'
-        left operand.
+        in ``X``, and transposed over ``M_bb`` in ``Mt`` (dead once read here), as a left operand of
+        ``off_diagonal_blocks``.
 
         Thread ``t`` solves column ``c = t % 16`` of block ``b = t // 16`` by forward
         substitution, ``x_r = [r == c] - sum_{j < r} M_bb[r, j] x_j`` (120 fp32 FMAs);
@@ -115,79 +123,114 @@ def build_chunk_prep(
             for r in T.unroll(B):
                 x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
                 for j in T.unroll(r):
-                    x[r] -= Mt[b * B + j, group_of(b * B + j, b * B + r), r % G] * x[j]
+                    x[r] -= at(Mt, b * B + j, b * B + r) * x[j]
         T.sync_threads()  # every thread has read M_bb
         if thread < C:
             for r in T.unroll(B):
-                X[b * B + r, b * B + c] = x[r]
-            for q in T.unroll(B // G):
-                for a in T.vectorized(G):
-                    Mt[b * B + c, group_of(b * B + c, b * B + G * q), a] = x[G * q + a]
+                X[b * B + r, solve_slot(b * B + r, b * B + c), c % S] = x[r]
+            for h in T.unroll(B // S):
+                for a in T.vectorized(S):
+                    Mt[b * B + c, solve_slot(b * B + c, b * B + h * S), a] = x[h * S + a]
 
     @T.macro
-    def block_sums(Mt, X, acc, thread, level):
-        """``P_p = sum_{k=j}^{i-1} M_ik X_kj`` for the pairs ``(i, j) = (level + p, p)``, into ``X``'s block
-        ``(0, p + 1)``: above the diagonal, never part of ``A0``, so free scratch (3 KB of shared memory
-        that a buffer of its own would take, which the keys' TMA barrier needs to keep six programs per SM).
+    def tf32_split(value, hi, lo, q):
+        """``value = hi[q] + lo[q]`` with ``hi[q]`` exact in TF32 (the low 13 mantissa bits cleared) and
+        ``lo[q]`` the exact remainder, which the tensor core reads to TF32 (2^-21 of ``value``)."""
+        hi[q] = T.reinterpret("float32", T.bitwise_and(T.reinterpret("uint32", value), T.uint32(0xFFFFE000)))
+        lo[q] = value - hi[q]
 
-        32 threads (one warp) per pair, each a 4 x 2 micro-tile: rows ``4 g + a`` of the
-        block for lane group ``g = lane // 8``, columns ``2 (lane % 8) + e``.  Per k, one
-        16-byte load of ``M``'s four rows (a group of ``Mt``; the warp's four groups are
-        64 contiguous bytes) and one 8-byte load of ``X``.  The k range has the constant
-        length ``16 * level`` because ``i - j == level``.
+    @T.macro
+    def strip_product(Mt, X, acc, frag, lane, i, k, src, strip):
+        """``acc += L_ik R[:, strip]`` for one warp: a 16 x 8 strip (columns ``8 strip + [0, 8)``) of the
+        product of a 16 x 16 left block, read transposed from ``Mt`` (``M_ik``, or ``X_ik`` where ``M`` is
+        dead), and the 16 x 16 right block ``src`` of ``X`` (an ``X_kj``, or a sum staged there).
+
+        fp32 on TF32 tensor cores, split in three (``hi hi + hi lo + lo hi``, ~21 significant bits,
+        the size of fp32 forward substitution's rounding): ``mma.sync.m16n8k8``, two k-steps, the
+        three terms in three accumulators (``acc[0:4]``, ``[4:8]``, ``[8:12]``) so that they do not
+        wait on each other.  Fragment rows and columns are PTX's: lane ``gid = lane // 4``,
+        ``tig = lane % 4``; A holds rows ``gid, gid + 8`` at columns ``tig, tig + 4``, B rows
+        ``tig, tig + 4`` at column ``gid``.
         """
-        p = thread // 32
-        lane = thread % 32
-        r0 = (level + p) * B + (lane // 8) * G
-        c0 = p * B + (lane % 8) * 2
-        m = T.alloc_local([G], accum)
-        xs = T.alloc_local([2], accum)
-        for a in T.unroll(8):
-            acc[a] = T.float32(0)
-        for kk in T.unroll(B * level):
-            for a in T.vectorized(G):
-                m[a] = Mt[p * B + kk, group_of(p * B + kk, r0), a]
-            for e in T.vectorized(2):
-                xs[e] = X[p * B + kk, c0 + e]
-            for a in T.unroll(G):
-                for e in T.unroll(2):
-                    acc[a * 2 + e] += m[a] * xs[e]
-        for a in T.unroll(G):
-            for e in T.vectorized(2):
-                X[(lane // 8) * G + a, (p + 1) * B + (lane % 8) * 2 + e] = acc[a * 2 + e]
+        gid = lane // 4
+        tig = lane % 4
+        a_hi, a_lo, b_hi, b_lo = frag
+        for ks in T.unroll(B // 8):
+            for q in T.unroll(4):
+                tf32_split(at(Mt, k * B + ks * 8 + tig + 4 * (q // 2), i * B + gid + 8 * (q % 2)), a_hi, a_lo, q)
+            for q in T.unroll(2):
+                tf32_split(at(X, src[0] * B + ks * 8 + tig + 4 * q, src[1] * B + strip * 8 + gid), b_hi, b_lo, q)
+            for term, (a, b) in enumerate(((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))):
+                T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32",
+                          a.data, 0, b.data, 0, acc.data, 4 * term, T.bool(False))
 
     @T.macro
-    def block_products(Mt, X, acc, thread, level):
-        """``X_ij <- -X_ii P_p`` for the same pairs and micro-tiles, ``X_ii`` read transposed from ``Mt``."""
-        p = thread // 32
-        lane = thread % 32
-        i = level + p
-        r0 = i * B + (lane // 8) * G
-        c0 = p * B + (lane % 8) * 2
-        xt = T.alloc_local([G], accum)
-        ps = T.alloc_local([2], accum)
-        for a in T.unroll(8):
-            acc[a] = T.float32(0)
-        for kk in T.unroll(B):
-            for a in T.vectorized(G):
-                xt[a] = Mt[i * B + kk, group_of(i * B + kk, r0), a]
-            for e in T.vectorized(2):
-                ps[e] = X[kk, (p + 1) * B + (lane % 8) * 2 + e]
-            for a in T.unroll(G):
-                for e in T.unroll(2):
-                    acc[a * 2 + e] -= xt[a] * ps[e]
-        for a in T.unroll(G):
-            for e in T.vectorized(2):
-                X[r0 + a, c0 + e] = acc[a * 2 + e]
+    def clear(acc):
+        for q in T.unroll(12):
+            acc[q] = T.float32(0)
 
     @T.macro
-    def off_diagonal_level(Mt, X, acc, thread, level):
-        """All blocks ``X_ij`` with ``i - j == level``: ``4 - level`` pairs, one warp each."""
-        if thread < 32 * (C // B - level):
-            block_sums(Mt, X, acc, thread, level)
+    def store_strip(X, Mt, acc, lane, dest, strip, sign, transposed_too):
+        """``sign * (sum of acc's three terms)`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator
+        element ``q`` of lane ``(gid, tig)`` is row ``gid + 8 (q // 2)``, column ``2 tig + q % 2``: one
+        8-byte store per row.  ``transposed_too``: also into ``Mt`` transposed, over ``M_dest`` (dead by
+        then), as a later product's left operand."""
+        gid = lane // 4
+        tig = lane % 4
+        for h in T.unroll(2):
+            row = dest[0] * B + gid + 8 * h
+            col = dest[1] * B + strip * 8 + 2 * tig
+            for e in T.vectorized(2):
+                X[row, solve_slot(row, col), col % S + e] = sign * (
+                    (acc[4 + 2 * h + e] + acc[8 + 2 * h + e]) + acc[2 * h + e])
+            if transposed_too:
+                for e in T.unroll(2):
+                    Mt[col + e, solve_slot(col + e, row), row % S] = sign * (
+                        (acc[4 + 2 * h + e] + acc[8 + 2 * h + e]) + acc[2 * h + e])
+
+    @T.macro
+    def off_diagonal_blocks(Mt, X, acc, frag, thread):
+        """The six blocks below the diagonal by 32 x 32 doubling, in two rounds of a sum and a product:
+
+            X_10 = -X_11 (M_10 X_00),   X_32 = -X_33 (M_32 X_22)
+            X_[23][01] = -X_[23] (M_[23][01] X_[01])
+
+        ``X_[01]``, ``X_[23]`` the 32 x 32 diagonal halves the first round completes.  Each warp
+        owns one 8-column strip of its blocks through a whole round (a product's strip needs only
+        the same strip of the sum), so within a round a warp reads back only what it wrote; only
+        the second round's ``X_32`` (a left operand, both strips) crosses warps.  Round 1: warp
+        ``w`` takes pair ``w // 2``; round 2: column block ``j = w // 2``, where
+        ``X_2j = -X_22 T_2j``, ``X_3j = -(X_32 T_2j + X_33 T_3j)``, ``T_ij = sum_{k=j}^{1} M_ik X_kj``.
+        Sums are staged in ``X``'s blocks above the diagonal, never part of ``A0``: (0, 1) and
+        (2, 3), then ``T_ij`` in ``(i - 2, j + 2)``.
+        """
+        warp = thread // 32
+        lane = thread % 32
+        strip = warp % 2
+        pair = warp // 2
+        i = 2 * pair + 1
+        clear(acc)
+        strip_product(Mt, X, acc, frag, lane, i, i - 1, (i - 1, i - 1), strip)  # M_ij X_jj
+        store_strip(X, Mt, acc, lane, (i - 1, i), strip, T.float32(1), False)
         T.sync_threads()
-        if thread < 32 * (C // B - level):
-            block_products(Mt, X, acc, thread, level)
+        clear(acc)
+        strip_product(Mt, X, acc, frag, lane, i, i, (i - 1, i), strip)  # X_ii T
+        store_strip(X, Mt, acc, lane, (i, i - 1), strip, T.float32(-1), pair == 1)
+        T.sync_threads()
+
+        j = warp // 2
+        for row in (2, 3):
+            clear(acc)
+            for k in (0, 1):
+                if k >= j:
+                    strip_product(Mt, X, acc, frag, lane, row, k, (k, j), strip)
+            store_strip(X, Mt, acc, lane, (row - 2, j + 2), strip, T.float32(1), False)
+        T.sync_threads()
+        for row in (2, 3):
+            clear(acc)
+            for k in range(2, row + 1):
+                strip_product(Mt, X, acc, frag, lane, row, k, (k - 2, j + 2), strip)
+            store_strip(X, Mt, acc, lane, (row, j), strip, T.float32(-1), False)
         T.sync_threads()
 
     @T.macro
@@ -218,7 +261,7 @@ def build_chunk_prep(
         for i in T.unroll(C // 16):
             r = thread // 8 + 16 * i
             for e in T.vectorized(8):
-                x_row[e] = X[r, j0 + e]
+                x_row[e] = X[r, solve_slot(r, j0), e]
             for e in T.unroll(8):
                 if store_keys:
                     below = (j0 + e) // B <= r // B
@@ -271,19 +314,17 @@ def build_chunk_prep(
             row_gate = T.alloc_shared([C], accum)  # -exp(gamma_r): A_keys' row factor
             gram = T.alloc_fragment([C, C], accum)
             # M transposed, Mt[j, r] = M[r, j], where M = diag(beta) K K^T (strictly lower part
-            # read only), in groups of G columns (``group_of``): a micro-tile's four rows of M in
-            # one column are one group.  Its diagonal blocks then hold the X_ii transposed.
-            Mt = T.alloc_shared([C, C // G, G], accum)
-            # A0 = (I + M)^-1, block lower triangular; of the blocks above the diagonal, (0, 1..3) hold
-            # the levels' block sums (block_sums), the others are never written.
-            # Rows padded by X_PAD floats: a micro-tile store (four lane groups, rows 4 apart) and
-            # write_operands' row loads (rows 1 apart) then spread over all banks instead of
-            # meeting on the same ones (4-way and 2-way conflicts unpadded); the 1 KB it costs
-            # still leaves six programs per SM.
-            X = T.alloc_shared([C, C + X_PAD], accum)
+            # read only): the solve's left operands, which a tensor-core fragment reads down columns of
+            # M.  Its diagonal blocks, and M_32's, then hold X_ii and X_32 transposed.  Rows in groups
+            # of S floats, swizzled (``solve_slot``).
+            Mt = T.alloc_shared([C, C // S, S], accum)
+            # A0 = (I + M)^-1, block lower triangular, swizzled like Mt; the blocks above the diagonal
+            # stage off_diagonal_blocks' sums (the diagonal blocks' upper halves are zeros).
+            X = T.alloc_shared([C, C // S, S], accum)
             keys_loaded = T.alloc_barrier(arrive_count=threads)
             x = T.alloc_local([B], accum)
-            acc = T.alloc_local([8], accum)
+            acc = T.alloc_local([12], accum)  # a strip's three TF32 terms
+            frag = [T.alloc_local([size], accum) for size in (4, 4, 2, 2)]  # A hi, lo; B hi, lo
 
             chunk_id = program // num_v_heads
             head = program % num_v_heads
@@ -340,18 +381,14 @@ def build_chunk_prep(
                     gram[r, j] = T.Select(r < n and j < n, gram[r, j], T.float32(0))
                 T.sync_threads()  # the Gram GEMM has read k_tile, which Mt overwrites
                 for r, j in T.Parallel(C, C):
-                    Mt[r, group_of(r, j), j % G] = gram[r, j]
+                    Mt[r, solve_slot(r, j), j % S] = gram[r, j]
                 T.sync_threads()
 
-                # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
-                # X_ii = (I + M_ii)^-1, then level by level (i - j = 1, 2, 3)
-                # X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj.  All fp32 CUDA-core FMAs.
+                # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks): X_ii = (I + M_ii)^-1
+                # on CUDA cores, then the blocks below the diagonal on TF32 tensor cores, split in three.
                 invert_diagonal_blocks(Mt, X, x, thread)
                 T.sync_threads()
-                # Written out per level so that every k loop has a constant length.
-                off_diagonal_level(Mt, X, acc, thread, 1)
-                off_diagonal_level(Mt, X, acc, thread, 2)
-                off_diagonal_level(Mt, X, acc, thread, 3)
+                off_diagonal_blocks(Mt, X, acc, frag, thread)
 
                 write_operands(X, beta_tile, k_scale, gamma_tile, row_gate, A_keys, A_values, A_inverse, s, n, head,
                                thread)
