@@ -140,10 +140,11 @@ def build_chunk_prep(
         lo[q] = value - hi[q]
 
     @T.macro
-    def strip_product(Mt, X, acc, frag, lane, i, k, src, strip):
+    def strip_product(Mt, X, acc, frag, lane, i, k, right, strip):
         """``acc += L_ik R[:, strip]`` for one warp: a 16 x 8 strip (columns ``8 strip + [0, 8)``) of the
         product of a 16 x 16 left block, read transposed from ``Mt`` (``M_ik``, or ``X_ik`` where ``M`` is
-        dead), and the 16 x 16 right block ``src`` of ``X`` (an ``X_kj``, or a sum staged there).
+        dead), and a right block: ``X``'s block ``right`` (a pair of block indices), or a sum that
+        ``sum_as_right`` left in registers.
 
         fp32 on TF32 tensor cores, split in three (``hi hi + hi lo + lo hi``, ~21 significant bits,
         the size of fp32 forward substitution's rounding): ``mma.sync.m16n8k8``, two k-steps, the
@@ -159,7 +160,11 @@ def build_chunk_prep(
             for q in T.unroll(4):
                 tf32_split(at(Mt, k * B + ks * 8 + tig + 4 * (q // 2), i * B + gid + 8 * (q % 2)), a_hi, a_lo, q)
             for q in T.unroll(2):
-                tf32_split(at(X, src[0] * B + ks * 8 + tig + 4 * q, src[1] * B + strip * 8 + gid), b_hi, b_lo, q)
+                if isinstance(right, tuple):
+                    tf32_split(at(X, right[0] * B + ks * 8 + tig + 4 * q, right[1] * B + strip * 8 + gid), b_hi, b_lo,
+                               q)
+                else:
+                    tf32_split(right[ks * 2 + q], b_hi, b_lo, q)
             for term, (a, b) in enumerate(((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))):
                 T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32",
                           a.data, 0, b.data, 0, acc.data, 4 * term, T.bool(False))
@@ -170,8 +175,23 @@ def build_chunk_prep(
             acc[q] = T.float32(0)
 
     @T.macro
-    def store_strip(X, Mt, acc, lane, dest, strip, sign, transposed_too):
-        """``sign * (sum of acc's three terms)`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator
+    def sum_as_right(acc, right, lane):
+        """A strip product's sum, handed to the same warp's next product as its right operand without a
+        trip through shared memory: B fragment entry ``ks * 2 + q`` of lane ``(gid, tig)`` is row
+        ``8 ks + tig + 4 q``, column ``gid`` of the strip, which the accumulator holds as element
+        ``2 ks + gid % 2`` of lane ``4 (tig + 4 q) + gid // 2`` (two shuffles, one per parity)."""
+        gid = lane // 4
+        tig = lane % 4
+        for ks in T.unroll(2):
+            for q in T.unroll(2):
+                source = 4 * (tig + 4 * q) + gid // 2
+                even = T.shfl_sync((acc[4 + 2 * ks] + acc[8 + 2 * ks]) + acc[2 * ks], source)
+                odd = T.shfl_sync((acc[5 + 2 * ks] + acc[9 + 2 * ks]) + acc[1 + 2 * ks], source)
+                right[ks * 2 + q] = T.if_then_else(gid % 2 == 0, even, odd)
+
+    @T.macro
+    def store_strip(X, Mt, acc, lane, dest, strip, transposed_too):
+        """``-(sum of acc's three terms)`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator
         element ``q`` of lane ``(gid, tig)`` is row ``gid + 8 (q // 2)``, column ``2 tig + q % 2``: one
         8-byte store per row.  ``transposed_too``: also into ``Mt`` transposed, over ``M_dest`` (dead by
         then), as a later product's left operand."""
@@ -181,28 +201,26 @@ def build_chunk_prep(
             row = dest[0] * B + gid + 8 * h
             col = dest[1] * B + strip * 8 + 2 * tig
             for e in T.vectorized(2):
-                X[row, solve_slot(row, col), col % S + e] = sign * (
-                    (acc[4 + 2 * h + e] + acc[8 + 2 * h + e]) + acc[2 * h + e])
+                X[row, solve_slot(row, col), col % S + e] = -((acc[4 + 2 * h + e] + acc[8 + 2 * h + e]) + acc[2 * h + e])
             if transposed_too:
                 for e in T.unroll(2):
-                    Mt[col + e, solve_slot(col + e, row), row % S] = sign * (
+                    Mt[col + e, solve_slot(col + e, row), row % S] = -(
                         (acc[4 + 2 * h + e] + acc[8 + 2 * h + e]) + acc[2 * h + e])
 
     @T.macro
-    def off_diagonal_blocks(Mt, X, acc, frag, thread):
-        """The six blocks below the diagonal by 32 x 32 doubling, in two rounds of a sum and a product:
+    def off_diagonal_blocks(Mt, X, acc, frag, rights, thread):
+        """The six blocks below the diagonal by 32 x 32 doubling, in two rounds of sums and products:
 
             X_10 = -X_11 (M_10 X_00),   X_32 = -X_33 (M_32 X_22)
             X_[23][01] = -X_[23] (M_[23][01] X_[01])
 
         ``X_[01]``, ``X_[23]`` the 32 x 32 diagonal halves the first round completes.  Each warp
         owns one 8-column strip of its blocks through a whole round (a product's strip needs only
-        the same strip of the sum), so within a round a warp reads back only what it wrote; only
-        the second round's ``X_32`` (a left operand, both strips) crosses warps.  Round 1: warp
-        ``w`` takes pair ``w // 2``; round 2: column block ``j = w // 2``, where
-        ``X_2j = -X_22 T_2j``, ``X_3j = -(X_32 T_2j + X_33 T_3j)``, ``T_ij = sum_{k=j}^{1} M_ik X_kj``.
-        Sums are staged in ``X``'s blocks above the diagonal, never part of ``A0``: (0, 1) and
-        (2, 3), then ``T_ij`` in ``(i - 2, j + 2)``.
+        the same strip of the sum), so a sum goes from a warp's accumulator to its own next product
+        in registers (``sum_as_right``), and only a round's results cross warps, through ``X`` and
+        (``X_32``, a left operand of the second round) ``Mt``.  Round 1: warp ``w`` takes pair
+        ``w // 2``; round 2: column block ``j = w // 2``, where ``X_2j = -X_22 T_2j``,
+        ``X_3j = -(X_32 T_2j + X_33 T_3j)`` with ``T_ij = sum_{k=j}^{1} M_ik X_kj``.
         """
         warp = thread // 32
         lane = thread % 32
@@ -211,11 +229,10 @@ def build_chunk_prep(
         i = 2 * pair + 1
         clear(acc)
         strip_product(Mt, X, acc, frag, lane, i, i - 1, (i - 1, i - 1), strip)  # M_ij X_jj
-        store_strip(X, Mt, acc, lane, (i - 1, i), strip, T.float32(1), False)
-        T.sync_threads()
+        sum_as_right(acc, rights[0], lane)
         clear(acc)
-        strip_product(Mt, X, acc, frag, lane, i, i, (i - 1, i), strip)  # X_ii T
-        store_strip(X, Mt, acc, lane, (i, i - 1), strip, T.float32(-1), pair == 1)
+        strip_product(Mt, X, acc, frag, lane, i, i, rights[0], strip)  # X_ii (M_ij X_jj)
+        store_strip(X, Mt, acc, lane, (i, i - 1), strip, pair == 1)
         T.sync_threads()
 
         j = warp // 2
@@ -224,13 +241,12 @@ def build_chunk_prep(
             for k in (0, 1):
                 if k >= j:
                     strip_product(Mt, X, acc, frag, lane, row, k, (k, j), strip)
-            store_strip(X, Mt, acc, lane, (row - 2, j + 2), strip, T.float32(1), False)
-        T.sync_threads()
+            sum_as_right(acc, rights[row - 2], lane)
         for row in (2, 3):
             clear(acc)
-            for k in range(2, row + 1):
-                strip_product(Mt, X, acc, frag, lane, row, k, (k - 2, j + 2), strip)
-            store_strip(X, Mt, acc, lane, (row, j), strip, T.float32(-1), False)
+            for k in (2, 3)[: row - 1]:  # a Python tuple: k picks a register buffer
+                strip_product(Mt, X, acc, frag, lane, row, k, rights[k - 2], strip)
+            store_strip(X, Mt, acc, lane, (row, j), strip, False)
         T.sync_threads()
 
     @T.macro
@@ -318,13 +334,14 @@ def build_chunk_prep(
             # M.  Its diagonal blocks, and M_32's, then hold X_ii and X_32 transposed.  Rows in groups
             # of S floats, swizzled (``solve_slot``).
             Mt = T.alloc_shared([C, C // S, S], accum)
-            # A0 = (I + M)^-1, block lower triangular, swizzled like Mt; the blocks above the diagonal
-            # stage off_diagonal_blocks' sums (the diagonal blocks' upper halves are zeros).
+            # A0 = (I + M)^-1, block lower triangular, swizzled like Mt (the blocks above the diagonal
+            # are never written; the diagonal blocks' upper halves are zeros).
             X = T.alloc_shared([C, C // S, S], accum)
             keys_loaded = T.alloc_barrier(arrive_count=threads)
             x = T.alloc_local([B], accum)
             acc = T.alloc_local([12], accum)  # a strip's three TF32 terms
             frag = [T.alloc_local([size], accum) for size in (4, 4, 2, 2)]  # A hi, lo; B hi, lo
+            rights = [T.alloc_local([4], accum) for _ in range(2)]  # sums as B fragments
 
             chunk_id = program // num_v_heads
             head = program % num_v_heads
@@ -388,7 +405,7 @@ def build_chunk_prep(
                 # on CUDA cores, then the blocks below the diagonal on TF32 tensor cores, split in three.
                 invert_diagonal_blocks(Mt, X, x, thread)
                 T.sync_threads()
-                off_diagonal_blocks(Mt, X, acc, frag, thread)
+                off_diagonal_blocks(Mt, X, acc, frag, rights, thread)
 
                 write_operands(X, beta_tile, k_scale, gamma_tile, row_gate, A_keys, A_values, A_inverse, s, n, head,
                                thread)
