@@ -5,7 +5,9 @@
 Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:
 the forward under every state-pass plan (each value-block width, and context
-parallelism with its segment scan), then forward + backward through autograd
+parallelism with its segment scan), and again on q and k normalised by the caller
+(l2norm off: the variants of ``chunk_prep`` that read the keys' norms instead of
+making them), then forward + backward through autograd
 (the recompute, the scores and the reverse walk, the local gradient kernel), the
 backward with its walks at each width of their own (32 columns: the scores kernel), with
 the recompute at whole heads beside a 64-column reverse pass, and in segments of their
@@ -139,12 +141,20 @@ def main():
         o_ref, s_ref = reference.chunked_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
         plans = [hopper_forward.StatePassPlan(b, None) for b in hopper_forward.BLOCK_WIDTHS]
         plans.append(hopper_forward.StatePassPlan(32, 256))  # context parallelism: segments of 4 chunks
-        for plan in plans:
-            o, s = hopper_forward.chunk_forward(**x, scale=None, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True, plan=plan)
-            errors = rel_rms(o, o_ref), rel_rms(s, s_ref)
-            print(f"({hqk},{hv}) forward {plan}: relative RMS o {errors[0]:.2e}, state {errors[1]:.2e}", flush=True)
-            assert max(errors) <= TOL, errors
+        normalized = dict(x, q=torch.nn.functional.normalize(x["q"], dim=-1),
+                          k=torch.nn.functional.normalize(x["k"], dim=-1))
+        for l2norm, inputs, want in ((True, x, (o_ref, s_ref)), (False, normalized, None)):
+            if want is None:
+                want = reference.chunked_gated_delta_rule(
+                    **{n: t.double() if t.is_floating_point() else t for n, t in inputs.items()},
+                    output_final_state=True)
+            for plan in plans:
+                o, s = hopper_forward.chunk_forward(**inputs, scale=None, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=l2norm, plan=plan)
+                errors = rel_rms(o, want[0]), rel_rms(s, want[1])
+                print(f"({hqk},{hv}) forward {plan}{'' if l2norm else ', q/k normalised'}: relative RMS o "
+                      f"{errors[0]:.2e}, state {errors[1]:.2e}", flush=True)
+                assert max(errors) <= TOL, errors
         if args.forward_only:
             continue
         names = DIFFERENTIABLE
