@@ -140,11 +140,11 @@ def build_chunk_prep(
         lo[q] = value - hi[q]
 
     @T.macro
-    def strip_product(Mt, X, acc, frag, lane, i, k, right, strip):
+    def strip_product(Mt, X, acc, frag, lane, i, k, right, strip, left_in_x=False):
         """``acc += L_ik R[:, strip]`` for one warp: a 16 x 8 strip (columns ``8 strip + [0, 8)``) of the
-        product of a 16 x 16 left block, read transposed from ``Mt`` (``M_ik``, or ``X_ik`` where ``M`` is
-        dead), and a right block: ``X``'s block ``right`` (a pair of block indices), or a sum that
-        ``sum_as_right`` left in registers.
+        product of a 16 x 16 left block, read transposed from ``Mt`` (``M_ik``, or ``X_ii`` in ``M``'s
+        dead diagonal blocks) or, ``left_in_x``, from ``X`` (2-way bank conflicts), and a right block:
+        ``X``'s block ``right`` (a pair of block indices), or a sum that ``sum_as_right`` left in registers.
 
         fp32 on TF32 tensor cores, split in three (``hi hi + hi lo + lo hi``, ~21 significant bits,
         the size of fp32 forward substitution's rounding): ``mma.sync.m16n8k8``, two k-steps, the
@@ -158,7 +158,8 @@ def build_chunk_prep(
         a_hi, a_lo, b_hi, b_lo = frag
         for ks in T.unroll(B // 8):
             for q in T.unroll(4):
-                tf32_split(at(Mt, k * B + ks * 8 + tig + 4 * (q // 2), i * B + gid + 8 * (q % 2)), a_hi, a_lo, q)
+                row, col = i * B + gid + 8 * (q % 2), k * B + ks * 8 + tig + 4 * (q // 2)
+                tf32_split(at(X, row, col) if left_in_x else at(Mt, col, row), a_hi, a_lo, q)
             for q in T.unroll(2):
                 if isinstance(right, tuple):
                     tf32_split(at(X, right[0] * B + ks * 8 + tig + 4 * q, right[1] * B + strip * 8 + gid), b_hi, b_lo,
@@ -190,11 +191,10 @@ def build_chunk_prep(
                 right[ks * 2 + q] = T.if_then_else(gid % 2 == 0, even, odd)
 
     @T.macro
-    def store_strip(X, Mt, acc, lane, dest, strip, transposed_too):
-        """``-(sum of acc's three terms)`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator
-        element ``q`` of lane ``(gid, tig)`` is row ``gid + 8 (q // 2)``, column ``2 tig + q % 2``: one
-        8-byte store per row.  ``transposed_too``: also into ``Mt`` transposed, over ``M_dest`` (dead by
-        then), as a later product's left operand."""
+    def store_strip(X, acc, lane, dest, strip):
+        """``-(sum of acc's three terms)`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator element
+        ``q`` of lane ``(gid, tig)`` is row ``gid + 8 (q // 2)``, column ``2 tig + q % 2``: one 8-byte store
+        per row."""
         gid = lane // 4
         tig = lane % 4
         for h in T.unroll(2):
@@ -202,10 +202,6 @@ def build_chunk_prep(
             col = dest[1] * B + strip * 8 + 2 * tig
             for e in T.vectorized(2):
                 X[row, solve_slot(row, col), col % S + e] = -((acc[4 + 2 * h + e] + acc[8 + 2 * h + e]) + acc[2 * h + e])
-            if transposed_too:
-                for e in T.unroll(2):
-                    Mt[col + e, solve_slot(col + e, row), row % S] = -(
-                        (acc[4 + 2 * h + e] + acc[8 + 2 * h + e]) + acc[2 * h + e])
 
     @T.macro
     def off_diagonal_blocks(Mt, X, acc, frag, rights, thread):
@@ -217,8 +213,9 @@ def build_chunk_prep(
         ``X_[01]``, ``X_[23]`` the 32 x 32 diagonal halves the first round completes.  Each warp
         owns one 8-column strip of its blocks through a whole round (a product's strip needs only
         the same strip of the sum), so a sum goes from a warp's accumulator to its own next product
-        in registers (``sum_as_right``), and only a round's results cross warps, through ``X`` and
-        (``X_32``, a left operand of the second round) ``Mt``.  Round 1: warp ``w`` takes pair
+        in registers (``sum_as_right``), and only a round's results cross warps, through ``X``.  ``X_32``,
+        a left operand of the second round, is read from there: transposed over ``M_32`` in ``Mt`` it would
+        race with the other strip's warp, whose sum still reads ``M_32``.  Round 1: warp ``w`` takes pair
         ``w // 2``; round 2: column block ``j = w // 2``, where ``X_2j = -X_22 T_2j``,
         ``X_3j = -(X_32 T_2j + X_33 T_3j)`` with ``T_ij = sum_{k=j}^{1} M_ik X_kj``.
         """
@@ -232,7 +229,7 @@ def build_chunk_prep(
         sum_as_right(acc, rights[0], lane)
         clear(acc)
         strip_product(Mt, X, acc, frag, lane, i, i, rights[0], strip)  # X_ii (M_ij X_jj)
-        store_strip(X, Mt, acc, lane, (i, i - 1), strip, pair == 1)
+        store_strip(X, acc, lane, (i, i - 1), strip)
         T.sync_threads()
 
         j = warp // 2
@@ -245,8 +242,8 @@ def build_chunk_prep(
         for row in (2, 3):
             clear(acc)
             for k in (2, 3)[: row - 1]:  # a Python tuple: k picks a register buffer
-                strip_product(Mt, X, acc, frag, lane, row, k, rights[k - 2], strip)
-            store_strip(X, Mt, acc, lane, (row, j), strip, False)
+                strip_product(Mt, X, acc, frag, lane, row, k, rights[k - 2], strip, left_in_x=k < row)
+            store_strip(X, acc, lane, (row, j), strip)
         T.sync_threads()
 
     @T.macro
@@ -331,8 +328,8 @@ def build_chunk_prep(
             gram = T.alloc_fragment([C, C], accum)
             # M transposed, Mt[j, r] = M[r, j], where M = diag(beta) K K^T (strictly lower part
             # read only): the solve's left operands, which a tensor-core fragment reads down columns of
-            # M.  Its diagonal blocks, and M_32's, then hold X_ii and X_32 transposed.  Rows in groups
-            # of S floats, swizzled (``solve_slot``).
+            # M.  Its diagonal blocks then hold the X_ii transposed.  Rows in groups of S floats,
+            # swizzled (``solve_slot``).
             Mt = T.alloc_shared([C, C // S, S], accum)
             # A0 = (I + M)^-1, block lower triangular, swizzled like Mt (the blocks above the diagonal
             # are never written; the diagonal blocks' upper halves are zeros).
