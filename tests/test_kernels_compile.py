@@ -129,6 +129,8 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys, key_norm
     source = compile_program(build_chunk_prep, hqk, hv, 128, dtype, store_inverse, store_keys,
                              key_norms).get_kernel_source()
     assert "wgmma" in source  # the Gram matrix runs on the tensor cores
+    # and so do the solve's blocks below the diagonal: TF32 mma.sync, a sum handed to the next product by shuffles
+    assert "tl::mma_sync<tl::DataType::kTensorFloat32" in source and "__shfl_sync" in source
     assert ("(A_inverse + " in source) == store_inverse  # 16-byte stores of A0 rows
     assert ("(A_keys + " in source) == store_keys and "(A_values + " in source
     # the keys' inverse norms from the Gram matrix's diagonal, written out: an output, not an input

@@ -26,8 +26,10 @@ six blocks below the diagonal by 32 x 32 doubling (``off_diagonal_blocks``) on
 the tensor cores, as TF32 ``mma.sync`` with each fp32 operand split in a TF32
 head and tail (``hi hi + hi lo + lo hi``: about 21 significant bits, the
 rounding of the fp32 substitution it replaced, where one TF32 product would
-carry 11).  On CUDA cores the same products kept the load/store pipe at 88-96%
-(ncu, H200) with 144 dependent k-steps; a fragment reads each operand once.
+carry 11).  On CUDA cores (level by level, 4 x 2 register micro-tiles) the same
+products kept the load/store pipe at 88-96% (ncu, H200) over 144 dependent
+k-steps; a fragment loads each operand once, and the kernel took 181 us instead
+of 241 at (16,32) 8192x4 (H100, notes/forward-budget.md).
 There is no power series and no assumption on the size of ``M``, so keys need
 not be normalised and beta may reach 2; the rounding error is that of a
 blocked fp32 substitution (checked against float64).  The Gram matrix goes
@@ -136,7 +138,7 @@ def build_chunk_prep(
     def tf32_split(value, hi, lo, q):
         """``value = hi[q] + lo[q]`` with ``hi[q]`` exact in TF32 (the low 13 mantissa bits cleared) and
         ``lo[q]`` the exact remainder, which the tensor core reads to TF32 (2^-21 of ``value``)."""
-        hi[q] = T.reinterpret("float32", T.bitwise_and(T.reinterpret("uint32", value), T.uint32(0xFFFFE000)))
+        hi[q] = T.reinterpret(T.bitwise_and(T.reinterpret(value, "uint32"), T.uint32(0xFFFFE000)), "float32")
         lo[q] = value - hi[q]
 
     @T.macro
@@ -255,7 +257,7 @@ def build_chunk_prep(
         stay in registers, ``X`` comes in 16-byte loads and every output row segment
         leaves in one 16-byte store (8 threads write a row's 128 contiguous bytes).
         ``A[r, j] = A0[r, j] beta_j`` is zero above the block diagonal (where ``X`` holds
-        the level sums or stale shared memory: a select, so neither can leak in); ``E`` would
+        stale shared memory: a select, so it cannot leak in); ``E`` would
         overflow above the diagonal, so it is a select too.
         """
         j0 = (thread % 8) * 8
