@@ -172,6 +172,10 @@ def build_chunk_prep(
                 T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32",
                           a.data, 0, b.data, 0, acc.data, 4 * term, T.bool(False))
 
+    def strip_value(acc, q):
+        """Accumulator element ``q`` of a strip: its three TF32 terms summed, the small ones first."""
+        return (acc[4 + q] + acc[8 + q]) + acc[q]
+
     @T.macro
     def clear(acc):
         for q in T.unroll(12):
@@ -188,13 +192,13 @@ def build_chunk_prep(
         for ks in T.unroll(2):
             for q in T.unroll(2):
                 source = 4 * (tig + 4 * q) + gid // 2
-                even = T.shfl_sync((acc[4 + 2 * ks] + acc[8 + 2 * ks]) + acc[2 * ks], source)
-                odd = T.shfl_sync((acc[5 + 2 * ks] + acc[9 + 2 * ks]) + acc[1 + 2 * ks], source)
+                even = T.shfl_sync(strip_value(acc, 2 * ks), source)
+                odd = T.shfl_sync(strip_value(acc, 2 * ks + 1), source)
                 right[ks * 2 + q] = T.if_then_else(gid % 2 == 0, even, odd)
 
     @T.macro
     def store_strip(X, acc, lane, dest, strip):
-        """``-(sum of acc's three terms)`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator element
+        """``-strip_value`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator element
         ``q`` of lane ``(gid, tig)`` is row ``gid + 8 (q // 2)``, column ``2 tig + q % 2``: one 8-byte store
         per row."""
         gid = lane // 4
@@ -203,7 +207,7 @@ def build_chunk_prep(
             row = dest[0] * B + gid + 8 * h
             col = dest[1] * B + strip * 8 + 2 * tig
             for e in T.vectorized(2):
-                X[row, solve_slot(row, col), col % S + e] = -((acc[4 + 2 * h + e] + acc[8 + 2 * h + e]) + acc[2 * h + e])
+                X[row, solve_slot(row, col), col % S + e] = -strip_value(acc, 2 * h + e)
 
     @T.macro
     def off_diagonal_blocks(Mt, X, acc, frag, rights, thread):
