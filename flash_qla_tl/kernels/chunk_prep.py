@@ -29,7 +29,7 @@ rounding of the fp32 substitution it replaced, where one TF32 product would
 carry 11).  On CUDA cores (level by level, 4 x 2 register micro-tiles) the same
 products kept the load/store pipe at 88-96% (ncu, H200) over 144 dependent
 k-steps; a fragment loads each operand once, and the kernel took 181 us instead
-of 241 at (16,32) 8192x4 (H100, notes/forward-budget.md).
+of 241 at (16,32) 8192x4 (H100, 2026-11-28, eager profile; BENCHMARKS.md "Session 26").
 There is no power series and no assumption on the size of ``M``, so keys need
 not be normalised and beta may reach 2; the rounding error is that of a
 blocked fp32 substitution (checked against float64).  The Gram matrix goes
@@ -320,7 +320,7 @@ def build_chunk_prep(
         # they read its key rows (shared by a q/k head's value heads) while those are still in L2.
         # (Not a 2-D grid with the chunks on y, whose 65535 would cap T at 4M tokens.)
         with T.Kernel(num_chunks * num_v_heads, threads=threads) as program:
-            # 72 registers and 34 KB of shared memory (and the keys' barrier, which starts the
+            # 79 registers and 33 KB of shared memory (and the keys' barrier, which starts the
             # 1 KB-aligned dynamic buffer 1 KB later): 6 blocks fit on an SM; more blocks in
             # flight hide the k loads, A stores and short solves of the others.  (A seventh,
             # with X packed to its ten lower blocks, measured 6% slower on an H100.)
