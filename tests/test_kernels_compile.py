@@ -170,7 +170,16 @@ def test_register_split_fits_the_launch():
     """A split that asks for more registers than the launch holds hangs the program: it must not build."""
     with pytest.raises(AssertionError):
         register_split(96, 96, 144, 144, 24)  # 63K of a 640-thread launch's 60K: hung on an H200
-    assert sum(register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)) * 128 == 65536  # the state passes
+    split = register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # the state passes
+    assert sum(r.count for r in split) * 128 == 65536
+
+
+def test_register_split_lowers_below_the_launch():
+    """A warpgroup under the launch's count (128 a thread at 512 threads) must lower it: ``setmaxnreg.inc`` to
+    fewer registers than it holds is an illegal instruction (a 104-register prep warpgroup stopped an H100)."""
+    assert [r.increase for r in register_split(192, 192, 104, 24)] == [1, 1, 0, 0]
+    assert [r.increase for r in register_split(240, 240, 24)] == [1, 1, 0]  # 384 threads: 168 a thread
+    assert [r.increase for r in register_split(128, 128, 128, 128)] == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("correction", CORRECTIONS)

@@ -145,7 +145,7 @@ def build_chunk_forward(
     assert kbar_in_prep or block_v < V, "the chain's value correction is built for 32 and 64 columns"
     group = num_v_heads // num_qk_heads
     accum = "float32"
-    register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
+    chain_regs, _, prep_regs, loader_regs = register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")
@@ -250,7 +250,7 @@ def build_chunk_forward(
 
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
-                T.set_max_nreg(CHAIN_REGS, 1)
+                T.set_max_nreg(chain_regs.count, chain_regs.increase)
                 start_walk(state, initial_state[seq, hv, :, v0 : v0 + block_v], v0, K, block_v, not read_values,
                            has_initial_state)
 
@@ -349,7 +349,7 @@ def build_chunk_forward(
                 if store_final_state:
                     T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
             elif tx < CHAIN_THREADS + PREP_THREADS:
-                T.set_max_nreg(PREP_REGS, 1)
+                T.set_max_nreg(prep_regs.count, prep_regs.increase)
                 for c in T.serial(num_chunks):
                     st = c % STAGES
                     n = T.min(seqlen - c * C, C)
@@ -415,7 +415,7 @@ def build_chunk_forward(
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
             else:
-                T.set_max_nreg(LOADER_REGS, 0)
+                T.set_max_nreg(loader_regs.count, loader_regs.increase)
                 for c in T.serial(num_chunks):
                     st = c % STAGES
                     s = bos + c * C

@@ -323,7 +323,7 @@ def build_chunk_local_gradients(
             if tx < 2 * ROLE_THREADS:
                 for role, regs in ((VALUES, values_regs), (STATE, state_regs)):
                     if in_role(tx, role):
-                        T.set_max_nreg(regs, 1)
+                        T.set_max_nreg(regs.count, regs.increase)
                         for i in T.serial(my_units):
                             hk, s, n, slot = unit_at(chunk_table, program, i)
                             unit_phase = units_done % 2
@@ -537,7 +537,7 @@ def build_chunk_local_gradients(
             else:
                 # --- Loader: each tile of the program's next item as soon as its slot is free, in the
                 # order the slots free up (rows past the tensor arrive as zeros); q and k once per unit.
-                T.set_max_nreg(loader_regs, 0)
+                T.set_max_nreg(loader_regs.count, loader_regs.increase)
                 for i in T.serial(my_units):
                     hk, s, n, slot = unit_at(chunk_table, program, i)
                     if n > 0:

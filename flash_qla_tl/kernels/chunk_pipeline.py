@@ -9,6 +9,8 @@ that do not depend on the direction of the walk, and the chain's way of storing
 a per-chunk tile.
 """
 
+from typing import NamedTuple
+
 import tilelang.language as T
 
 from .inverse_norms import HEADS_PER_BOX
@@ -31,20 +33,32 @@ CHAIN_BARRIER = 3
 STATE_ROWS = T.GemmWarpPolicy.FullRow
 
 
+class WarpgroupRegisters(NamedTuple):
+    """One warpgroup's ``T.set_max_nreg`` arguments: its register count, and whether that raises the count the
+    launch gave every thread (``setmaxnreg.inc``, 1) or lowers it (``.dec``, 0)."""
+
+    count: int
+    increase: int
+
+
 def register_split(*per_warpgroup):
-    """The ``set_max_nreg`` counts of a program's warpgroups, checked against what its launch holds.
+    """The ``set_max_nreg`` arguments of a program's warpgroups, checked against what its launch holds.
 
     A program of ``128 * len(per_warpgroup)`` threads is launched with one register count
     for all, the most that fits an SM rounded down to the allocation unit of 8; raising a
     warpgroup's count (``setmaxnreg.inc``) takes registers from that pool and waits until
     they are free.  A split that needs more than the pool hangs the program (it did: a
-    640-thread forward asking for 63K of its 60K).
+    640-thread forward asking for 63K of its 60K).  Which of ``.inc`` and ``.dec`` a
+    warpgroup issues follows from its count and the launch's: an ``.inc`` to fewer
+    registers than the warp holds is an illegal instruction (a 104-register prep
+    warpgroup of a 512-thread launch, 128 a thread, stopped the program on an H100).
     """
     threads = 128 * len(per_warpgroup)
-    pool = REGISTERS_PER_SM // threads // 8 * 8 * threads
+    launch = REGISTERS_PER_SM // threads // 8 * 8
     assert all(r % 8 == 0 and 24 <= r <= 256 for r in per_warpgroup), per_warpgroup
-    assert 128 * sum(per_warpgroup) <= pool, f"{per_warpgroup}: {128 * sum(per_warpgroup)} registers > {pool}"
-    return per_warpgroup
+    assert 128 * sum(per_warpgroup) <= launch * threads, \
+        f"{per_warpgroup}: {128 * sum(per_warpgroup)} registers > {launch * threads}"
+    return tuple(WarpgroupRegisters(r, int(r > launch)) for r in per_warpgroup)
 
 
 def head_columns(hv, group):

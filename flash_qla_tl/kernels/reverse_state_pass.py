@@ -112,7 +112,7 @@ def build_reverse_state_pass(
     assert STAGES == 2  # the operand rings are picked by stage parity
     group = num_v_heads // num_qk_heads
     accum = "float32"
-    register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # chain, chain, prep, loader
+    chain_regs, _, prep_regs, loader_regs = register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")
@@ -188,7 +188,7 @@ def build_reverse_state_pass(
 
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
-                T.set_max_nreg(CHAIN_REGS, 1)
+                T.set_max_nreg(chain_regs.count, chain_regs.increase)
                 start_walk(ds, final_state_grad[seq, hv, :, v0 : v0 + block_v], v0, K, block_v, not read_output_grad,
                            has_final_state_grad)
 
@@ -255,7 +255,7 @@ def build_reverse_state_pass(
                 T.copy(ds, initial_state_grad[seq, hv, :, v0 : v0 + block_v])
                 T.tma_store_wait(0)  # shared memory must outlive the last store's reads
             elif tx < CHAIN_THREADS + PREP_THREADS:
-                T.set_max_nreg(PREP_REGS, 1)
+                T.set_max_nreg(prep_regs.count, prep_regs.increase)
                 for i in T.serial(num_chunks):
                     st = i % STAGES
                     c = num_chunks - 1 - i
@@ -316,7 +316,7 @@ def build_reverse_state_pass(
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
             else:
-                T.set_max_nreg(LOADER_REGS, 0)
+                T.set_max_nreg(loader_regs.count, loader_regs.increase)
                 for i in T.serial(num_chunks):
                     st = i % STAGES
                     s = bos + (num_chunks - 1 - i) * C
