@@ -30,6 +30,15 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 # command here tells whether the call runs the revision meant (the copy is of /work/main's tree).
 echo "flash_qla_tl sources: $(find flash_qla_tl -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
 steps=${*:-tests quick}
+# TEST_PACKAGE: a flash_qla_tl package directory of another revision (.ab/NAME/flash_qla_tl, carried) that the
+# test steps import instead of this tree's: python -P keeps the working directory off sys.path.
+if [ -n "${TEST_PACKAGE:-}" ]; then
+  export PYTHONPATH=$(cd "$(dirname "$TEST_PACKAGE")" && pwd):$PYTHONPATH
+  pytest_cmd="python -P -m pytest"
+  echo "tests import $(python -P -c 'import flash_qla_tl; print(flash_qla_tl.__file__)')"
+else
+  pytest_cmd="python -m pytest"
+fi
 candidates() { for c in ${CANDIDATE:-}; do printf -- '--candidate %s ' "$c"; done; }
 for step in $steps; do
   echo "=== $step"
@@ -42,20 +51,20 @@ for step in $steps; do
     warm)  # WARM_HEADS' programs (every flag, forward and backward) side by side before a benchmark of them
       python scripts/precompile.py --heads ${WARM_HEADS:?HqkxHv,...} --all-flags --kernels forward,backward --jobs 15 \
         2>&1 | grep -v INFO | tail -1 ;;
-    layertests) timeout 420 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_layer.py \
+    layertests) timeout 420 $pytest_cmd -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_layer.py \
         ${LAYER_TESTS_K:+-k "$LAYER_TESTS_K"} 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -30 ;;
     hubtests) # the hub package's layer, ops and models on the GPU (the tiny models' programs first, and (1,4)'s: the
               # test of what the op keeps runs one 16K-token sequence there)
       python scripts/precompile.py --heads 2x4,1x4 --all-flags --kernels forward,backward,decode --jobs 15 2>&1 \
         | grep -v INFO | tail -1
-      timeout 540 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hub.py 2>&1 \
+      timeout 540 $pytest_cmd -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hub.py 2>&1 \
         | tee "$OUT/gpu-tests-hub.log" | tail -30 ;;
     glue)  python benchmarks/bench_glue.py --out "$OUT/glue" ${GLUE_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/glue.log" | tail -30 ;;
     decode) # the decoding kernel: its programs side by side, its GPU tests, then bench_decode.py
       python scripts/precompile.py --heads 16x32,16x64,2x8 --kernels decode --jobs 15 2>&1 | grep -v INFO | tail -1
       python scripts/precompile.py --heads 2x4 --all-flags --kernels forward,decode --jobs 15 2>&1 \
         | grep -v INFO | tail -1  # the tiny models
-      timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_recurrent.py \
+      timeout 420 $pytest_cmd -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_recurrent.py \
         tests/test_hopper_layer.py tests/test_hub.py -k "recurrent or generate or kernelize or conv or norm" 2>&1 \
         | tee "$OUT/gpu-tests-decode.log" | tail -30
       python benchmarks/bench_decode.py --out "$OUT/bench" ${DECODE_ARGS:-} 2>&1 | grep -v INFO \
@@ -63,15 +72,15 @@ for step in $steps; do
     decodewidths) # the recurrence at every value-block width on small batches (the planner's choice)
       python benchmarks/bench_decode.py --out "$OUT/widths" --batches 1,8,32,128 --heads 16x32,2x8 --steps 1,4 \
         --modes l2norm --compare-widths --no-layer --no-check 2>&1 | grep "widths" | tee "$OUT/decode-widths.log" ;;
-    smoke) timeout 240 python -m pytest -m gpu -q -x tests/test_hopper_forward.py -k "prep or one_chunk" 2>&1 \
+    smoke) timeout 240 $pytest_cmd -m gpu -q -x tests/test_hopper_forward.py -k "prep or one_chunk" 2>&1 \
              | tail -30 || exit 1 ;;
-    cp)    timeout 300 python -m pytest -m gpu -q -s -rf tests -k "context_parallel or segment_scan or long_sequence or training_step" 2>&1 \
+    cp)    timeout 300 $pytest_cmd -m gpu -q -s -rf tests -k "context_parallel or segment_scan or long_sequence or training_step" 2>&1 \
              | grep -v "DEBUG\|INFO" | tail -25 ;;
     tests) # the slowest tests listed (a first call compiles the programs the cache lacks)
-           timeout 540 python -m pytest -m gpu -q -rf --durations=15 --timeout 300 --timeout-method thread tests 2>&1 \
+           timeout 540 $pytest_cmd -m gpu -q -rf --durations=15 --timeout 300 --timeout-method thread tests 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40 ;;
     bwdtests) # BWD_TESTS_K: pytest's -k (a subset of the backward's GPU tests)
-      timeout 420 python -m pytest -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_backward.py \
+      timeout 420 $pytest_cmd -m gpu -q -rf --durations=5 --timeout 300 --timeout-method thread tests/test_hopper_backward.py \
         ${BWD_TESTS_K:+-k "$BWD_TESTS_K"} 2>&1 | tee "$OUT/gpu-tests-backward.log" | tail -30 ;;
     plans) # PLANS_ARGS: more options of compare_plans.py (--backward: the walks' plans)
            python benchmarks/compare_plans.py ${PLANS_ARGS:-} ${BENCH_HEADS:+--heads $BENCH_HEADS} \
@@ -85,7 +94,7 @@ for step in $steps; do
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} $(candidates) \
              ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} ${BENCH_MODES:+--modes $BENCH_MODES} \
              ${NO_PEERS:+--no-peers} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
-    fwdtests) timeout 420 python -m pytest -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_forward.py \
+    fwdtests) timeout 420 $pytest_cmd -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_forward.py \
              ${FWD_TESTS_K:+-k "$FWD_TESTS_K"} 2>&1 \
              | tee "$OUT/gpu-tests-forward.log" | tail -30 ;;
     kernelcheck) timeout 300 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tee "$OUT/kernelcheck.log" \
@@ -173,7 +182,7 @@ for step in $steps; do
         --out /tmp/shipped 2>&1 | grep -v INFO | tail -3
       python benchmarks/cold_start.py --shipped /tmp/shipped --heads ${SHIPPED_HEADS:-16x32,16x64} 2>&1 \
         | grep -v INFO | tee "$OUT/shipped.log" | tail -6
-      timeout 300 python -m pytest -m gpu -q -rf tests/test_shipped.py 2>&1 | tee "$OUT/gpu-tests-shipped.log" | tail -5 ;;
+      timeout 300 $pytest_cmd -m gpu -q -rf tests/test_shipped.py 2>&1 | tee "$OUT/gpu-tests-shipped.log" | tail -5 ;;
     # PROFILE_PACKAGES (profile, bwdprofile): whose kernels, each of profile_kernels.py's --package
     # values ("" ours, a package directory, flash-qla), "-" for ours; PROFILE_ARGS: more options (--l2norm 0)
     profile)

@@ -19,7 +19,7 @@ from flash_qla_tl.kernels.chunk_pipeline import CHAIN_REGS, LOADER_REGS, PREP_RE
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
-from flash_qla_tl.kernels.compile import compile_program
+from flash_qla_tl.kernels.compile import check_named_barriers, compile_program
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm, build_gated_rms_norm_backward
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
@@ -172,6 +172,13 @@ def test_register_split_fits_the_launch():
         register_split(96, 96, 144, 144, 24)  # 63K of a 640-thread launch's 60K: hung on an H200
     split = register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)  # the state passes
     assert sum(r.count for r in split) * 128 == 65536
+
+
+def test_named_barriers_keep_one_thread_count():
+    """Two thread ranges at one named barrier with different counts stop the GPU: the compile refuses them."""
+    check_named_barriers("tl::__sync_thread_partial(3, 256);\ntl::__sync_thread_partial(4, 128);", "ok")
+    with pytest.raises(RuntimeError, match="different thread counts"):
+        check_named_barriers("tl::__sync_thread_partial(3, 256);\ntl::__sync_thread_partial(3, 128);", "bad")
 
 
 def test_register_split_lowers_below_the_launch():

@@ -25,8 +25,11 @@ LOADER_THREADS = 128
 CHAIN_REGS, PREP_REGS, LOADER_REGS = 168, 152, 24
 REGISTERS_PER_SM = 65536
 STAGES = 2
-# Named barrier of the chain warpgroups alone (TileLang's own partial syncs of the chain use id 3 too).
-CHAIN_BARRIER = 3
+# Named barrier of the chain warpgroups alone.  TileLang numbers the partial syncs it inserts itself from 3
+# upwards, one id per thread range in the order it meets them, without knowing the ids a kernel names; the
+# last of the 16 hardware barriers stays clear of that (3 collided with prep's 128-thread syncs once the chain
+# had no sync of TileLang's own: an illegal instruction; compile.check_named_barriers).
+CHAIN_BARRIER = 15
 # The warp policy of the chain's GEMMs into a state-shaped accumulator (K x block_v, K = 128): a chain
 # warpgroup per 64 rows.  TileLang's default splits these by columns, so both warpgroups read all of the
 # left operand (K^T, Q^T, Kbar^T: 128 x 64) and issue twice the instructions at half the width.

@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import time
 import warnings
 from typing import Callable
@@ -121,4 +122,22 @@ def compile_with_tilelang(build: Callable, config: tuple, pass_configs: tuple):
                        time.perf_counter() - start)
     else:
         logger.info("flash-qla: TileLang compiled %s in %.1f s", build.__name__, time.perf_counter() - start)
+    check_named_barriers(program.get_kernel_source(), build.__name__)
     return program
+
+
+def check_named_barriers(source: str, name: str) -> None:
+    """Every named barrier of a program synchronises one thread count.
+
+    TileLang gives the partial syncs it inserts ids of its own, from 3 upwards, beside the ids a kernel
+    names (``T.sync_threads(id, count)``); two thread ranges meeting at one id with different counts is
+    an illegal instruction on the GPU, or a hang, and only under load (a 128-thread and a 256-thread
+    range at id 3 ran clean on 16 programs and stopped 128).  Checked here, where it costs a compile.
+    """
+    counts = {}
+    for barrier, count in re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", source):
+        counts.setdefault(int(barrier), set()).add(int(count))
+    shared = {barrier: sorted(c) for barrier, c in counts.items() if len(c) > 1}
+    if shared:
+        raise RuntimeError(f"{name}: named barriers synchronise different thread counts {shared} (TileLang's "
+                           "own ids start at 3; a kernel's own go above them: chunk_pipeline.CHAIN_BARRIER)")
