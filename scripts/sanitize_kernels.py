@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The repository's package unless PYTHONPATH names another revision's first (device_run.sh's TEST_PACKAGE).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import DIFFERENTIABLE, GRAD_TOL, make_inputs, rel_rms  # noqa: E402
 
@@ -41,10 +42,15 @@ DECODE_SEQS = [1, 0, 16, 3, 0, 7]
 TOL = 5e-3
 
 
+def float64(inputs):
+    """The float64 copy of a problem's inputs that the references run on (integer tensors kept)."""
+    return {n: t.double() if t.is_floating_point() else t for n, t in inputs.items()}
+
+
 def check_decode(hqk, hv):
     x = make_inputs(seqs=DECODE_SEQS, hqk=hqk, hv=hv, kdim=128, vdim=128, dtype=torch.bfloat16, device="cuda",
                     initial_state=True)
-    ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+    ref = float64(x)
     o_ref, s_ref = reference.recurrent_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
     for block_v in DECODE_WIDTHS:
         for in_place in (False, True):
@@ -118,6 +124,7 @@ def backward_with_walks(plan, *args, recompute=None):
 
 
 def main():
+    print(f"flash_qla_tl from {Path(fq.__file__).parent}", flush=True)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--forward-only", action="store_true", help="the forward kernels only")
     p.add_argument("--chunked-only", action="store_true", help="the forward and backward kernels only")
@@ -137,7 +144,7 @@ def main():
             continue
         x = make_inputs(seqs=SEQS, hqk=hqk, hv=hv, kdim=128, vdim=128, dtype=torch.bfloat16, device="cuda",
                         initial_state=True)
-        ref = {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
+        ref = float64(x)
         o_ref, s_ref = reference.chunked_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
         plans = [hopper_forward.StatePassPlan(b, None) for b in hopper_forward.BLOCK_WIDTHS]
         plans.append(hopper_forward.StatePassPlan(32, 256))  # context parallelism: segments of 4 chunks
@@ -146,7 +153,7 @@ def main():
         for l2norm, inputs, want in ((True, x, (o_ref, s_ref)), (False, normalized, None)):
             if want is None:
                 want = reference.chunked_gated_delta_rule(
-                    **{n: t.double() if t.is_floating_point() else t for n, t in inputs.items()},
+                    **float64(inputs),
                     output_final_state=True)
             for plan in plans:
                 o, s = hopper_forward.chunk_forward(**inputs, scale=None, output_final_state=True,
