@@ -239,11 +239,14 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: Sta
     states = offsets.numel() - 1
     no_state = placeholder_state(hv, kdim, vdim, device)
     ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else no_state
-    correction = value_correction(plan)
+    # the output's pass at whole heads walks S^T with the state in registers (build_chunk_forward's transposed)
+    transposed = plan.block_v == vdim and out is not None and values is not None and chunk_states is None
+    correction = "in_chain" if transposed else value_correction(plan)
     loads_keys = correction == "kbar_loaded"
     assert not loads_keys or ops.a_keys is not None, "prepare_chunks(store_keys=False) for a pass that reads A_keys"
     kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
-                             plan.block_v, chunk_states is not None, out is not None, values is not None, correction)
+                             plan.block_v, chunk_states is not None, out is not None, values is not None, correction,
+                             *((True,) if transposed else ()))  # the other configs' keys as they were
     a_keys = ops.a_keys if loads_keys else placeholder((1, hv, 64), ops.v.dtype, device)
     kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v if values is None else values, ops.gamma, a_keys, ops.a_values, offsets,
            no_state if h0 is None else h0, ops.scale,

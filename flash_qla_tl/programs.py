@@ -89,7 +89,9 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
             (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
     # the state pass's value correction, per width, for one pass over whole sequences or over segments
     correction = lambda b, segments=False: value_correction(StatePassPlan(b, 2048 if segments else None))
-    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, correction(b)))
+    # the output's passes; at whole heads the transposed chain (hopper_forward.state_pass)
+    output_pass = lambda b, segments=False: (correction(b, segments),) if b < 128 else ("in_chain", True)  # noqa: E731
+    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, *output_pass(b)))
             for (h0, ht), b in itertools.product(flags, widths)]
     if all_flags:  # context parallelism: its scans (the forward's; the reverse pass's by its own maps or by the
         # forward's transposed), its first two passes (states only; the second with zero values) and its last pass
@@ -100,7 +102,7 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, False,
                                        correction(b, True))) for b in widths]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
-                                       correction(b, True))) for b in widths]
+                                       *output_pass(b, True))) for b in widths]
     if "backward" in kernels:
         out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, count))
                 for l2norm, count in itertools.product((True, False), sms)]

@@ -166,6 +166,15 @@ def test_chunk_forward_compiles(hqk, hv, dtype, has_h0, store_ht, block_v):
     assert "__launch_bounds__(512, 1)" in source  # chain, prep, loader at every width
 
 
+@pytest.mark.parametrize("hqk,hv,dtype,has_h0,store_ht", [(16, 32, "bfloat16", True, True), (2, 6, "float16", False, False)])
+def test_transposed_chain_compiles(hqk, hv, dtype, has_h0, store_ht):
+    """The output's pass at whole heads: S^T and U^T stay in registers as the left operands of every chain GEMM."""
+    source = compile_program(build_chunk_forward, hqk, hv, 128, 128, dtype, has_h0, store_ht, 128, False, True, True,
+                             "in_chain", True).get_kernel_source()
+    assert source.count("tl::wgmma_rs<") >= 4 and "state_op" not in shared_buffers(source)
+    assert "tma_store(o_desc" in source and shared_memory_used(source) < SMEM_PER_BLOCK
+
+
 def test_register_split_fits_the_launch():
     """A split that asks for more registers than the launch holds hangs the program: it must not build."""
     with pytest.raises(AssertionError):

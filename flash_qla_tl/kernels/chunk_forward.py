@@ -82,6 +82,20 @@ it, one chunk ahead:
   only), A_values, gamma and the inverse norms into a two-stage ring, so chunk
   c + 2 is in flight.
 
+The transposed chain (``transposed``: the output's pass at 128 columns) walks ``S^T``
+(value rows x key columns), each chain warpgroup owning 64 value rows of every
+accumulator, so that ``S^T`` and ``U^T`` are the left operands of the chain's GEMMs
+straight from registers (wgmma's register A operand) and neither goes through shared
+memory (48 KB and two hand-offs a chunk at 128 columns)::
+
+    W^T  = V^T - (S^T K^T) diag(G rk),   U^T = W^T Av^T      (the in-chain correction)
+    O^T  = diag-scaled S^T Q^T + U^T P^T
+    S^T <- exp2(gamma_last) S^T + (U^T diag(exp2(gamma_last - gamma) rk)) K
+
+``O^T`` is written transposed into a staging tile and leaves by TMA; the initial and
+final states are read and written transposed.  Prep is the in-chain form's (no
+``Kbar``), which is what lets the chain have 192 registers and prep 104.
+
 A TMA tile that crosses the sequence end carries the next sequence's tokens (or
 padding that may hold inf/NaN).  Prep zeroes those rows of k and v before any
 GEMM reads them (a GEMM multiplies them by 0 otherwise), and P, U and the gate
@@ -110,6 +124,7 @@ def build_chunk_forward(
     store_output: bool = True,
     read_values: bool = True,
     correction: str = "kbar_loaded",
+    transposed: bool = False,
     chunk: int = 64,
 ):
     """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic.
@@ -121,7 +136,9 @@ def build_chunk_forward(
     segments' transition matrices; no ``initial_state`` then): ``U = Kbar S``, and
     no ``v`` is loaded, nor ``A_values`` where ``Kbar`` comes from ``A_keys`` (in the
     chain: ``W = -diag(G rk) K S``).  ``correction``: one of CORRECTIONS, where the value
-    correction's ``Ak`` comes from (module docstring).
+    correction's ``Ak`` comes from (module docstring).  ``transposed`` (128 columns, the output's pass
+    over whole sequences, ``"in_chain"``): the chain walks ``S^T`` and keeps it and ``U^T`` in registers
+    as the left operands of its GEMMs (module docstring, "The transposed chain").
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
@@ -141,11 +158,16 @@ def build_chunk_forward(
     assert read_values or not store_output, "zero values are for the states-only passes"
     assert read_values or not has_initial_state, "the transition pass starts from the identity"
     assert correction in CORRECTIONS, correction
+    assert not transposed or (block_v == V and correction == "in_chain" and store_output and read_values
+                              and not store_chunk_states), "the transposed chain is built for one plan"
     kbar_in_prep, derive_keys = correction != "in_chain", correction == "kbar_derived"
-    assert kbar_in_prep or block_v < V, "the chain's value correction is built for 32 and 64 columns"
+    assert kbar_in_prep or block_v < V or transposed, "the chain's value correction is built for 32 and 64 columns"
     group = num_v_heads // num_qk_heads
     accum = "float32"
-    chain_regs, _, prep_regs, loader_regs = register_split(CHAIN_REGS, CHAIN_REGS, PREP_REGS, LOADER_REGS)
+    # The transposed chain holds S^T (64 values a thread), its bf16 copy (32), O^T and one 128 x 64 accumulator
+    # (32 each) and two bf16 operands; its prep forms no Kbar.
+    chain_count, prep_count = (192, 104) if transposed else (CHAIN_REGS, PREP_REGS)
+    chain_regs, _, prep_regs, loader_regs = register_split(chain_count, chain_count, prep_count, LOADER_REGS)
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")
@@ -228,19 +250,32 @@ def build_chunk_forward(
             first_round_read = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
 
             # The chain's tensor-core operands.
-            state_op = T.alloc_shared([K, block_v], dtype)  # S
-            u_op = T.alloc_shared([C, block_v], dtype)  # U
-            if not kbar_in_prep:
+            if transposed:  # in registers; only o goes through shared memory
+                out_stage = T.alloc_shared([C, block_v], dtype)
+            else:
+                state_op = T.alloc_shared([K, block_v], dtype)  # S
+                u_op = T.alloc_shared([C, block_v], dtype)  # U
+            if not kbar_in_prep and not transposed:
                 w_op = T.alloc_shared([C, block_v], dtype)  # W = V - diag(G rk) K S
                 u_decayed_op = T.alloc_shared([C, block_v], dtype)  # diag(exp2(gamma_last - gamma) rk) U
                 # V is read elementwise here, not by a GEMM (which would pick a swizzled layout
                 # itself): unswizzled, its 64-byte rows put a warp's eight rows on the same banks.
                 T.annotate_layout({v_tile: make_swizzled_layout(v_tile)})
 
-            state = T.alloc_fragment([K, block_v], accum)
-            u = T.alloc_fragment([C, block_v], accum)
-            out = T.alloc_fragment([C, block_v], accum)
-            if not kbar_in_prep:
+            if transposed:
+                # V is read elementwise, transposed, into the accumulator's layout
+                T.annotate_layout({v_tile: make_swizzled_layout(v_tile)})
+                state_t = T.alloc_fragment([block_v, K], accum)  # S^T
+                state_t_op = T.alloc_fragment([block_v, K], dtype)
+                u_t = T.alloc_fragment([block_v, C], accum)  # S^T K^T, then W^T, then U^T
+                w_t_op = T.alloc_fragment([block_v, C], dtype)  # W^T, then U^T decayed to the chunk end
+                u_t_op = T.alloc_fragment([block_v, C], dtype)  # U^T
+                out_t = T.alloc_fragment([block_v, C], accum)  # O^T
+            else:
+                state = T.alloc_fragment([K, block_v], accum)
+                u = T.alloc_fragment([C, block_v], accum)
+                out = T.alloc_fragment([C, block_v], accum)
+            if not kbar_in_prep and not transposed:
                 u_decayed = T.alloc_fragment([C, block_v], accum)
             if kbar_in_prep:
                 kbar = T.alloc_fragment([C, K], accum)
@@ -251,103 +286,162 @@ def build_chunk_forward(
             tx = T.get_thread_binding()
             if tx < CHAIN_THREADS:
                 T.set_max_nreg(chain_regs.count, chain_regs.increase)
-                start_walk(state, initial_state[seq, hv, :, v0 : v0 + block_v], v0, K, block_v, not read_values,
-                           has_initial_state)
-
-                for c in T.serial(num_chunks):
-                    st = c % STAGES
-                    s = bos + c * C
-                    n = T.min(seqlen - c * C, C)
-                    slot = bos // C + seq + c
-                    T.barrier_wait(prepared[st], (c // STAGES) % 2)
-
-                    if kbar_in_prep:
-                        # Round 1: U = Av V + Kbar S (two GEMMs into one accumulator, one
-                        # commit group each) and Q S beside it.  Av V needs no state: it runs
-                        # while the state goes to shared memory.
-                        if read_values:
-                            T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
-                        copy_state_operand(state, state_op, chunk_states, slot, hv, v0)
-                        T.wgmma_gemm(kbar_op, state_op, u, clear_accum=not read_values)
-                        if store_output:
-                            T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
-                            T.wait_wgmma(1)
-                        else:
-                            T.wait_wgmma(0)
-                        T.barrier_arrive(kbar_read)
+                if transposed:
+                    if has_initial_state:
+                        for i, d in T.Parallel(block_v, K):
+                            state_t[i, d] = initial_state[seq, hv, d, v0 + i]
                     else:
-                        # Round 1: K S (and Q S beside it), W = V - diag(G rk) K S, U = Av W.
-                        copy_state_operand(state, state_op, chunk_states, slot, hv, v0)
-                        T.wgmma_gemm(k_tile[st, :, :], state_op, u, clear_accum=True)
-                        if store_output:
-                            T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
-                            T.wait_wgmma(1)
-                        else:
-                            T.wait_wgmma(0)
-                        for i, j in T.Parallel(C, block_v):
-                            if read_values:
-                                u[i, j] = v_tile[st, i, j] - key_gate[st, i] * u[i, j]
-                            else:
-                                u[i, j] = -key_gate[st, i] * u[i, j]
-                        T.copy(u, w_op)
-                        T.fence_proxy_async()  # the other chain warpgroup's GEMM reads it
-                        T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
-                        T.wgmma_gemm(a_values_tile[st, :, :], w_op, u, clear_accum=True)
+                        T.clear(state_t)
+                    for c in T.serial(num_chunks):
+                        st = c % STAGES
+                        s = bos + c * C
+                        n = T.min(seqlen - c * C, C)
+                        T.barrier_wait(prepared[st], (c // STAGES) % 2)
+                        # Round 1: S^T K^T and O^T = S^T Q^T from the state in registers,
+                        # W^T = V^T - (S^T K^T) diag(G rk), U^T = W^T Av^T.
+                        T.copy(state_t, state_t_op)
+                        T.wgmma_gemm(state_t_op, k_tile[st, :, :], u_t, transpose_B=True, clear_accum=True,
+                                     policy=STATE_ROWS)
+                        T.wgmma_gemm(state_t_op, q_tile[st, :, :], out_t, transpose_B=True, clear_accum=True,
+                                     policy=STATE_ROWS)
+                        T.wait_wgmma(1)
+                        for i, j in T.Parallel(block_v, C):
+                            u_t[i, j] = v_tile[st, j, i] - key_gate[st, j] * u_t[i, j]
+                        T.copy(u_t, w_t_op)
+                        T.wgmma_gemm(w_t_op, a_values_tile[st, :, :], u_t, transpose_B=True, clear_accum=True,
+                                     policy=STATE_ROWS)
                         T.wait_wgmma(0)
-
-                    # U is done (Q S may still run): mask its padded rows, and decay the state.
-                    for i, j in T.Parallel(C, block_v):
-                        u[i, j] = T.Select(i < n, u[i, j], T.float32(0))
-                    if not kbar_in_prep:
-                        # The state update's U, decayed to the chunk end (block_v columns, where the
-                        # kbar form decays the keys' K columns in prep): its factor is 0 past n.
-                        for i, j in T.Parallel(C, block_v):
-                            u_decayed[i, j] = u[i, j] * decay_to_end[st, i]
-                    if store_output:
-                        reuse_chain_tile()  # u_op last staged the previous chunk's o
-                    T.copy(u, u_op)
-                    if not kbar_in_prep:
-                        T.copy(u_decayed, u_decayed_op)
-                    for d, j in T.Parallel(K, block_v):
-                        state[d, j] = state[d, j] * chunk_decay[st]
-                    if store_output:
-                        T.wait_wgmma(0)
-                        for i, j in T.Parallel(C, block_v):
-                            out[i, j] = out[i, j] * out_gate[st, i]
-                    T.barrier_arrive(first_round_read[st])  # every first-round GEMM has completed
-
-                    # Round 2: O += P U;  S += Kd^T U (narrow: K^T (diag(..) U)).
-                    if store_output:
+                        T.barrier_arrive(first_round_read[st])  # q, v and A_values are read
+                        # U^T's columns past n are other tokens': masked, then the state update's copy decayed.
+                        for i, j in T.Parallel(block_v, C):
+                            u_t[i, j] = T.Select(j < n, u_t[i, j], T.float32(0))
+                        T.copy(u_t, u_t_op)
+                        for i, j in T.Parallel(block_v, C):
+                            u_t[i, j] = u_t[i, j] * decay_to_end[st, j]
+                        T.copy(u_t, w_t_op)
+                        for i, d in T.Parallel(block_v, K):
+                            state_t[i, d] = state_t[i, d] * chunk_decay[st]
+                        for i, j in T.Parallel(block_v, C):
+                            out_t[i, j] = out_t[i, j] * out_gate[st, j]
+                        # Round 2: O^T += U^T P^T;  S^T += (U^T diag(..)) K.
                         if st == 0:  # a GEMM operand is one whole buffer: picked by stage
-                            T.wgmma_gemm(p_op[0], u_op, out)
+                            T.wgmma_gemm(u_t_op, p_op[0], out_t, transpose_B=True, policy=STATE_ROWS)
                         else:
-                            T.wgmma_gemm(p_op[1], u_op, out)
-                    if kbar_in_prep:
-                        T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True, policy=STATE_ROWS)
-                    else:
-                        T.wgmma_gemm(k_tile[st, :, :], u_decayed_op, state, transpose_A=True, policy=STATE_ROWS)
-                    T.wait_wgmma(0)
-                    # Every read of this stage (both rings) has completed.
-                    T.barrier_arrive(consumed[st])
-
-                    if store_output:
-                        if n == C:
-                            # A whole chunk leaves through shared memory (u_op, free until the next
-                            # chunk's U) in one TMA store: per-thread stores of the accumulator
-                            # (4 bytes each, 8 rows per instruction) held a 128-column chain 2743 of
-                            # 7075 cycles per chunk (clock64 traces, H200, notes/forward-budget.md).
-                            T.copy(out, u_op)
-                            store_chain_tile(u_op, o[s : s + C, hv, v0 : v0 + block_v])
+                            T.wgmma_gemm(u_t_op, p_op[1], out_t, transpose_B=True, policy=STATE_ROWS)
+                        T.wgmma_gemm(w_t_op, k_tile[st, :, :], state_t, policy=STATE_ROWS)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(consumed[st])
+                        if n == C:  # O^T written transposed into the staging tile, out by TMA
+                            reuse_chain_tile()
+                            for i, j in T.Parallel(block_v, C):
+                                out_stage[j, i] = out_t[i, j]
+                            store_chain_tile(out_stage, o[s : s + C, hv, v0 : v0 + block_v])
                         else:
-                            # A sequence's last, short chunk: its rows past n are the next sequence's.
-                            for i, j in T.Parallel(C, block_v):
-                                if i < n:
-                                    o[s + i, hv, v0 + j] = out[i, j]
-
-                if store_output or store_chunk_states:  # shared memory must outlive the last TMA store's reads
+                            for i, j in T.Parallel(block_v, C):
+                                if j < n:
+                                    o[s + j, hv, v0 + i] = out_t[i, j]
                     T.tma_store_wait(0)
-                if store_final_state:
-                    T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
+                    if store_final_state:
+                        for i, d in T.Parallel(block_v, K):
+                            final_state[seq, hv, d, v0 + i] = state_t[i, d]
+                else:
+                    start_walk(state, initial_state[seq, hv, :, v0 : v0 + block_v], v0, K, block_v, not read_values,
+                               has_initial_state)
+
+                    for c in T.serial(num_chunks):
+                        st = c % STAGES
+                        s = bos + c * C
+                        n = T.min(seqlen - c * C, C)
+                        slot = bos // C + seq + c
+                        T.barrier_wait(prepared[st], (c // STAGES) % 2)
+
+                        if kbar_in_prep:
+                            # Round 1: U = Av V + Kbar S (two GEMMs into one accumulator, one
+                            # commit group each) and Q S beside it.  Av V needs no state: it runs
+                            # while the state goes to shared memory.
+                            if read_values:
+                                T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
+                            copy_state_operand(state, state_op, chunk_states, slot, hv, v0)
+                            T.wgmma_gemm(kbar_op, state_op, u, clear_accum=not read_values)
+                            if store_output:
+                                T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
+                                T.wait_wgmma(1)
+                            else:
+                                T.wait_wgmma(0)
+                            T.barrier_arrive(kbar_read)
+                        else:
+                            # Round 1: K S (and Q S beside it), W = V - diag(G rk) K S, U = Av W.
+                            copy_state_operand(state, state_op, chunk_states, slot, hv, v0)
+                            T.wgmma_gemm(k_tile[st, :, :], state_op, u, clear_accum=True)
+                            if store_output:
+                                T.wgmma_gemm(q_tile[st, :, :], state_op, out, clear_accum=True)
+                                T.wait_wgmma(1)
+                            else:
+                                T.wait_wgmma(0)
+                            for i, j in T.Parallel(C, block_v):
+                                if read_values:
+                                    u[i, j] = v_tile[st, i, j] - key_gate[st, i] * u[i, j]
+                                else:
+                                    u[i, j] = -key_gate[st, i] * u[i, j]
+                            T.copy(u, w_op)
+                            T.fence_proxy_async()  # the other chain warpgroup's GEMM reads it
+                            T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+                            T.wgmma_gemm(a_values_tile[st, :, :], w_op, u, clear_accum=True)
+                            T.wait_wgmma(0)
+
+                        # U is done (Q S may still run): mask its padded rows, and decay the state.
+                        for i, j in T.Parallel(C, block_v):
+                            u[i, j] = T.Select(i < n, u[i, j], T.float32(0))
+                        if not kbar_in_prep:
+                            # The state update's U, decayed to the chunk end (block_v columns, where the
+                            # kbar form decays the keys' K columns in prep): its factor is 0 past n.
+                            for i, j in T.Parallel(C, block_v):
+                                u_decayed[i, j] = u[i, j] * decay_to_end[st, i]
+                        if store_output:
+                            reuse_chain_tile()  # u_op last staged the previous chunk's o
+                        T.copy(u, u_op)
+                        if not kbar_in_prep:
+                            T.copy(u_decayed, u_decayed_op)
+                        for d, j in T.Parallel(K, block_v):
+                            state[d, j] = state[d, j] * chunk_decay[st]
+                        if store_output:
+                            T.wait_wgmma(0)
+                            for i, j in T.Parallel(C, block_v):
+                                out[i, j] = out[i, j] * out_gate[st, i]
+                        T.barrier_arrive(first_round_read[st])  # every first-round GEMM has completed
+
+                        # Round 2: O += P U;  S += Kd^T U (narrow: K^T (diag(..) U)).
+                        if store_output:
+                            if st == 0:  # a GEMM operand is one whole buffer: picked by stage
+                                T.wgmma_gemm(p_op[0], u_op, out)
+                            else:
+                                T.wgmma_gemm(p_op[1], u_op, out)
+                        if kbar_in_prep:
+                            T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True, policy=STATE_ROWS)
+                        else:
+                            T.wgmma_gemm(k_tile[st, :, :], u_decayed_op, state, transpose_A=True, policy=STATE_ROWS)
+                        T.wait_wgmma(0)
+                        # Every read of this stage (both rings) has completed.
+                        T.barrier_arrive(consumed[st])
+
+                        if store_output:
+                            if n == C:
+                                # A whole chunk leaves through shared memory (u_op, free until the next
+                                # chunk's U) in one TMA store: per-thread stores of the accumulator
+                                # (4 bytes each, 8 rows per instruction) held a 128-column chain 2743 of
+                                # 7075 cycles per chunk (clock64 traces, H200, notes/forward-budget.md).
+                                T.copy(out, u_op)
+                                store_chain_tile(u_op, o[s : s + C, hv, v0 : v0 + block_v])
+                            else:
+                                # A sequence's last, short chunk: its rows past n are the next sequence's.
+                                for i, j in T.Parallel(C, block_v):
+                                    if i < n:
+                                        o[s + i, hv, v0 + j] = out[i, j]
+
+                    if store_output or store_chunk_states:  # shared memory must outlive the last TMA store's reads
+                        T.tma_store_wait(0)
+                    if store_final_state:
+                        T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
             elif tx < CHAIN_THREADS + PREP_THREADS:
                 T.set_max_nreg(prep_regs.count, prep_regs.increase)
                 for c in T.serial(num_chunks):
