@@ -88,11 +88,13 @@ accumulator, so that ``S^T`` and ``U^T`` are the left operands of the chain's GE
 straight from registers (wgmma's register A operand) and neither goes through shared
 memory (48 KB and two hand-offs a chunk at 128 columns)::
 
-    W^T  = V^T - (S^T K^T) diag(G rk),   U^T = W^T Av^T      (the in-chain correction)
+    U^T  = V^T Av^T - ((S^T K^T) diag(G rk)) Av^T             (the in-chain correction)
     O^T  = diag-scaled S^T Q^T + U^T P^T
     S^T <- exp2(gamma_last) S^T + (U^T diag(exp2(gamma_last - gamma) rk)) K
 
-``O^T`` is written transposed into a staging tile and leaves by TMA; the initial and
+``V^T`` is a GEMM operand read transposed from shared memory, and only the correction
+term is rounded to ``dtype`` (the narrow form rounds ``W = V - ..`` whole).  ``O^T`` is
+written transposed into a staging tile and leaves by TMA; the initial and
 final states are read and written transposed.  Prep is the in-chain form's (no
 ``Kbar``), which is what lets the chain have 192 registers and prep 104.
 
@@ -263,12 +265,10 @@ def build_chunk_forward(
                 T.annotate_layout({v_tile: make_swizzled_layout(v_tile)})
 
             if transposed:
-                # V is read elementwise, transposed, into the accumulator's layout
-                T.annotate_layout({v_tile: make_swizzled_layout(v_tile)})
                 state_t = T.alloc_fragment([block_v, K], accum)  # S^T
                 state_t_op = T.alloc_fragment([block_v, K], dtype)
-                u_t = T.alloc_fragment([block_v, C], accum)  # S^T K^T, then W^T, then U^T
-                w_t_op = T.alloc_fragment([block_v, C], dtype)  # W^T, then U^T decayed to the chunk end
+                u_t = T.alloc_fragment([block_v, C], accum)  # S^T K^T, then U^T
+                w_t_op = T.alloc_fragment([block_v, C], dtype)  # -(S^T K^T) diag(G rk), then U^T decayed
                 u_t_op = T.alloc_fragment([block_v, C], dtype)  # U^T
                 out_t = T.alloc_fragment([block_v, C], accum)  # O^T
             else:
@@ -297,19 +297,21 @@ def build_chunk_forward(
                         s = bos + c * C
                         n = T.min(seqlen - c * C, C)
                         T.barrier_wait(prepared[st], (c // STAGES) % 2)
-                        # Round 1: S^T K^T and O^T = S^T Q^T from the state in registers,
-                        # W^T = V^T - (S^T K^T) diag(G rk), U^T = W^T Av^T.
+                        # Round 1: S^T K^T and O^T = S^T Q^T from the state in registers, then U^T.
                         T.copy(state_t, state_t_op)
                         T.wgmma_gemm(state_t_op, k_tile[st, :, :], u_t, transpose_B=True, clear_accum=True,
                                      policy=STATE_ROWS)
                         T.wgmma_gemm(state_t_op, q_tile[st, :, :], out_t, transpose_B=True, clear_accum=True,
                                      policy=STATE_ROWS)
                         T.wait_wgmma(1)
+                        # U^T = V^T Av^T + (-(S^T K^T) diag(G rk)) Av^T: V^T as a GEMM operand read transposed from
+                        # shared memory (no elementwise read of V across its rows), the correction rounded alone
                         for i, j in T.Parallel(block_v, C):
-                            u_t[i, j] = v_tile[st, j, i] - key_gate[st, j] * u_t[i, j]
+                            u_t[i, j] = -key_gate[st, j] * u_t[i, j]
                         T.copy(u_t, w_t_op)
-                        T.wgmma_gemm(w_t_op, a_values_tile[st, :, :], u_t, transpose_B=True, clear_accum=True,
-                                     policy=STATE_ROWS)
+                        T.wgmma_gemm(v_tile[st, :, :], a_values_tile[st, :, :], u_t, transpose_A=True, transpose_B=True,
+                                     clear_accum=True, policy=STATE_ROWS)
+                        T.wgmma_gemm(w_t_op, a_values_tile[st, :, :], u_t, transpose_B=True, policy=STATE_ROWS)
                         T.wait_wgmma(0)
                         T.barrier_arrive(first_round_read[st])  # q, v and A_values are read
                         # U^T's columns past n are other tokens': masked, then the state update's copy decayed.
