@@ -163,6 +163,8 @@ for step in $steps; do
         | head -${NCU_LINES:-50}
       rm -f "$OUT/ncu_source.csv" ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
+    preplatency) # chunk_prep alone on its SM against packed (benchmarks/prep_latency.py; PREP_LATENCY_ARGS)
+      python benchmarks/prep_latency.py ${PREP_LATENCY_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/prep-latency.log" ;;
     savecache) # the TileLang and Triton cache entries this run compiled (ours the cache lacked, the peers'
                # JIT programs and autotuned kernels), packed into /tmp/savedcache/ (outside $OUT: a background
                # run's one archive must stay small): a later call copies them to $OUT, to carry next time
