@@ -1,11 +1,11 @@
-"""How long ``chunk_prep``'s work on one (chunk, value head) takes when its program has an SM to itself, against
-the same programs packed several to an SM, on one head and one long sequence (one program per chunk).
+"""How long a ``chunk_prep`` launch takes with its programs alone on their SMs, against the same programs packed
+several to an SM, on one head and one long sequence (one program per chunk).
 
 The fused forward (notes/fused-forward-plan.md, step 3) would do this work in the state pass's prep warpgroup,
-one chunk ahead of the chain: it keeps up only if one chunk's preparation, alone on its SM, takes no longer
-than one step of the chain (about 2.9 us at (16,32) 8192x4 on an H200: 371 us over 128 chunks).  The column
-``us / program`` at one program per SM is that latency; where many programs share an SM, the same column
-is the throughput the standalone kernel gets from overlapping them.
+one chunk ahead of the chain.  At one program per SM a launch's time is mostly the launch itself (9.2 us on an
+H200, where a program lives 2.5 us by a clock64 trace: BENCHMARKS.md "Session 27"), so this bounds the
+per-program latency from above; the column ``us / program`` at many programs per SM is the throughput the
+standalone kernel gets from overlapping them.
 
     python benchmarks/prep_latency.py [--per-sm 1,2,6,24,124]
 """
