@@ -15,7 +15,9 @@ from flash_qla_tl.kernels.causal_conv_prefill import (
 from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
 from flash_qla_tl.kernels.chunk_forward import CORRECTIONS, build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
-from flash_qla_tl.kernels.chunk_pipeline import CHAIN_REGS, LOADER_REGS, PREP_REGS, register_split
+from flash_qla_tl.kernels.chunk_pipeline import (
+    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, PREP_REGS, register_split,
+)
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
@@ -269,12 +271,13 @@ def test_context_parallel_reverse_passes_compile():
 
 def every_path_syncs(code: str) -> bool:
     """Whether every path through ``code`` (generated CUDA from a write to a read, which may close blocks and open
-    others) passes a sync of the chain warpgroups (named barrier 3, 256 threads): a closed block counts where
+    others) passes a sync of the chain warpgroups (a named barrier of their 256 threads: chunk_pipeline's
+    CHAIN_BARRIER, or one TileLang numbered for the same range): a closed block counts where
     entered (a loop runs at least once), an ``if`` only with an ``else`` that syncs too; a block still open at
     the end holds the read, so a sync in it counts."""
     frames = [{"kind": "top", "synced": False}]
     after_if = False
-    for token in re.findall(r"\} else \{|if \(|\{|\}|__sync_thread_partial\(3, 256\)", code):
+    for token in re.findall(rf"\}} else \{{|if \(|\{{|\}}|__sync_thread_partial\(\d+, {CHAIN_THREADS}\)", code):
         if token == "if (":
             after_if = True
         elif token == "{":
@@ -308,7 +311,7 @@ def unpublished_chain_tiles(source: str, tiles) -> list[str]:
 
 
 def test_every_path_syncs_reads_branches():
-    sync = "tl::__sync_thread_partial(3, 256);"
+    sync = f"tl::__sync_thread_partial({CHAIN_BARRIER}, {CHAIN_THREADS});"
     assert every_path_syncs(f"a; }} {sync} if (n) {{ b; }}")
     assert not every_path_syncs(f"if (n == 64) {{ {sync} }} x;")
     assert every_path_syncs(f"if (n == 64) {{ {sync} }} else {{ {sync} }}")
