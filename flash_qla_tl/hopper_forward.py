@@ -134,6 +134,16 @@ def value_correction(plan: StatePassPlan) -> str:
     return "kbar_derived" if plan.block_v == HEAD_DIM and plan.segment_tokens is None else "kbar_loaded"
 
 
+def pass_variant(plan: StatePassPlan, output: bool) -> tuple:
+    """The trailing arguments of ``build_chunk_forward`` for a pass of ``plan``: its value correction, and for
+    a pass that writes the output at whole heads the transposed chain (``("in_chain", True)``: it corrects the
+    values in its chain, with the state in registers; 4-5% faster at (16,32) and (16,64) 8192x4, H200,
+    BENCHMARKS.md "Session 27").  The launcher and the list of shipped programs both ask here."""
+    if output and plan.block_v == HEAD_DIM:
+        return ("in_chain", True)
+    return (value_correction(plan),)
+
+
 def one_wave_width(widths, heads: float, sms: int) -> int:
     """The narrowest of ``widths`` (value columns per program, ascending) whose programs for ``heads``
     (sequence, value head) pairs all fit on ``sms`` SMs at once, else the widest."""
@@ -239,14 +249,11 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: Sta
     states = offsets.numel() - 1
     no_state = placeholder_state(hv, kdim, vdim, device)
     ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else no_state
-    # the output's pass at whole heads walks S^T with the state in registers (build_chunk_forward's transposed)
-    transposed = plan.block_v == vdim and out is not None and values is not None and chunk_states is None
-    correction = "in_chain" if transposed else value_correction(plan)
-    loads_keys = correction == "kbar_loaded"
+    variant = pass_variant(plan, out is not None)
+    loads_keys = variant[0] == "kbar_loaded"
     assert not loads_keys or ops.a_keys is not None, "prepare_chunks(store_keys=False) for a pass that reads A_keys"
     kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
-                             plan.block_v, chunk_states is not None, out is not None, values is not None, correction,
-                             *((True,) if transposed else ()))  # the other configs' keys as they were
+                             plan.block_v, chunk_states is not None, out is not None, values is not None, *variant)
     a_keys = ops.a_keys if loads_keys else placeholder((1, hv, 64), ops.v.dtype, device)
     kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v if values is None else values, ops.gamma, a_keys, ops.a_values, offsets,
            no_state if h0 is None else h0, ops.scale,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from .hopper_backward import SCORES_WIDTHS, WALK_WIDEST
-from .hopper_forward import BLOCK_WIDTHS, StatePassPlan, value_correction
+from .hopper_forward import BLOCK_WIDTHS, StatePassPlan, pass_variant, value_correction
 from .kernels.causal_conv_prefill import build_causal_conv_prefill, build_causal_conv_prefill_backward
 from .kernels.causal_conv_step import build_causal_conv_step
 from .kernels.chunk_forward import build_chunk_forward
@@ -89,8 +89,8 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
             (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
     # the state pass's value correction, per width, for one pass over whole sequences or over segments
     correction = lambda b, segments=False: value_correction(StatePassPlan(b, 2048 if segments else None))
-    # the output's passes; at whole heads the transposed chain (hopper_forward.state_pass)
-    output_pass = lambda b, segments=False: (correction(b, segments),) if b < 128 else ("in_chain", True)  # noqa: E731
+    # the output's passes (at whole heads the transposed chain)
+    output_pass = lambda b, segments=False: pass_variant(StatePassPlan(b, 2048 if segments else None), True)  # noqa: E731
     out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, *output_pass(b)))
             for (h0, ht), b in itertools.product(flags, widths)]
     if all_flags:  # context parallelism: its scans (the forward's; the reverse pass's by its own maps or by the
