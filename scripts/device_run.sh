@@ -10,15 +10,19 @@
 set -uo pipefail
 source .gpu/setup.sh || exit 1
 # One TileLang cache from what the call carries: our programs compiled here (.gpu/tlcache.tar.xz, the
-# benchmarks' head configs; .tlc-tests/tlcache.tar.xz, the GPU tests' other ones) and flash-qla's JIT programs
-# from an earlier run's savecache (.peers, with fla's Triton kernels: the peers' compiles took ~230 s at the
-# first row of each head config, H200, session 21; ~3 s a row after).
-for archive in .gpu/tlcache.tar.xz .tlc-tests/tlcache.tar.xz .peers/tilelang.tar.xz; do
+# benchmarks' head configs; .tlc-tests/tlcache.tar.xz, the GPU tests' other ones; .grid/tlcache.tar.xz, the
+# forward grid's other head configs) and flash-qla's JIT programs from an earlier run's savecache
+# (.peers/tilelang*.tar.xz, with fla's Triton kernels in .peers/triton*.tar.xz, one pair per set of head
+# configs: carry the pairs a run needs; the peers' compiles took ~230 s at the first row of each head config,
+# H200, session 21; ~3 s a row after).
+for archive in .gpu/tlcache.tar.xz .tlc-tests/tlcache.tar.xz .grid/tlcache.tar.xz .peers/tilelang*.tar.xz; do
   if [ -f "$archive" ]; then
     mkdir -p /tmp/tlc && tar -C /tmp/tlc -xJf "$archive" && export TILELANG_CACHE_DIR=/tmp/tlc
   fi
 done
-[ -f .peers/triton.tar.xz ] && mkdir -p ~/.triton/cache && tar -C ~/.triton/cache -xJf .peers/triton.tar.xz
+for archive in .peers/triton*.tar.xz; do
+  [ -f "$archive" ] && mkdir -p ~/.triton/cache && tar -C ~/.triton/cache -xJf "$archive"
+done
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the image lacks: transformers, kernels, tomlkit (the steps using Transformers or the hub)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
