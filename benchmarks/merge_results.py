@@ -16,15 +16,19 @@ from bench_forward import chart, markdown  # noqa: E402
 STAMP = ("timer", "gpu", "date", "torch", "tilelang", "fla", "flash_qla")
 
 
-def main():
-    out, *inputs = (Path(p) for p in sys.argv[1:])
-    runs = [json.loads(p.read_text()) for p in inputs]
+def merge(runs: list[dict]) -> tuple[dict, list[dict]]:
+    """The joined stamp (the first run's, every command) and rows of ``runs`` (results as ``drive`` writes them)."""
     meta = dict(runs[0]["meta"])
     for run in runs[1:]:
         if any(run["meta"][k] != meta[k] for k in STAMP):
             raise SystemExit(f"runs differ in their stamp: {[run['meta'][k] for k in STAMP]}")
     meta["command"] = "; ".join(run["meta"]["command"] for run in runs)
-    rows = [row for run in runs for row in run["rows"]]
+    return meta, [row for run in runs for row in run["rows"]]
+
+
+def main():
+    out, *inputs = (Path(p) for p in sys.argv[1:])
+    meta, rows = merge([json.loads(p.read_text()) for p in inputs])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(markdown(rows, meta))

@@ -79,3 +79,18 @@ def test_glue_bench_references_agree_with_the_pytorch_columns(kernel, row, monke
         for got, exact in zip((y, *torch.autograd.grad(y, args, dy)), want):
             assert got.shape == exact.shape
             assert ((got.double() - exact).square().mean() / exact.square().mean()).sqrt() < 5e-3, name
+
+
+def test_merged_runs_keep_every_row_and_command_and_refuse_another_gpu():
+    """``merge_results.py``: a grid measured over several device calls reads as one table, never across GPUs."""
+    import merge_results
+
+    stamp = {"timer": "cuda-graph", "gpu": "NVIDIA H200", "date": "2026-11-28", "torch": "2.11.0+cu130",
+             "tilelang": "0.1.15", "fla": "0.6.0", "flash_qla": "0.1.3"}
+    runs = [{"meta": {**stamp, "command": f"run {i}"}, "rows": [{"hqk": h, "hv": 2 * h}]}
+            for i, h in enumerate((16, 32))]
+    meta, rows = merge_results.merge(runs)
+    assert meta["command"] == "run 0; run 1" and [r["hqk"] for r in rows] == [16, 32]
+    runs[1]["meta"]["gpu"] = "NVIDIA H100 80GB HBM3"
+    with pytest.raises(SystemExit, match="differ"):
+        merge_results.merge(runs)
