@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from .hopper_backward import SCORES_WIDTHS, WALK_WIDEST
-from .hopper_forward import BLOCK_WIDTHS, StatePassPlan, pass_variant, value_correction
+from .hopper_forward import BLOCK_WIDTHS, StatePassPlan, pass_variant
 from .kernels.causal_conv_prefill import build_causal_conv_prefill, build_causal_conv_prefill_backward
 from .kernels.causal_conv_step import build_causal_conv_step
 from .kernels.chunk_forward import build_chunk_forward
@@ -87,22 +87,22 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
             for (inverse, keys), l2norm in itertools.product(preps, (True, False))]
     out += [(build_inverse_norms, (hqk, 128, dtype)), (build_zero_tail_rows, (hv * 128, dtype)),
             (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
-    # the state pass's value correction, per width, for one pass over whole sequences or over segments
-    correction = lambda b, segments=False: value_correction(StatePassPlan(b, 2048 if segments else None))
-    # the output's passes (at whole heads the transposed chain)
-    output_pass = lambda b, segments=False: pass_variant(StatePassPlan(b, 2048 if segments else None), True)  # noqa: E731
-    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, *output_pass(b)))
+    # a state pass's trailing arguments, per width, for one pass over whole sequences or over segments, with or
+    # without the output (the output's pass at whole heads is the transposed chain)
+    variant = lambda b, segments=False, output=False: pass_variant(StatePassPlan(b, 2048 if segments else None),  # noqa: E731
+                                                                  output)
+    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, *variant(b, output=True)))
             for (h0, ht), b in itertools.product(flags, widths)]
     if all_flags:  # context parallelism: its scans (the forward's; the reverse pass's by its own maps or by the
         # forward's transposed), its first two passes (states only; the second with zero values) and its last pass
         out += [(build_segment_scan, (hv, 128, 128, backwards, transposed))
                 for backwards, transposed in ((False, False), (True, False), (True, True))]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, True,
-                                       correction(b, True))) for b in widths]
+                                       *variant(b, True))) for b in widths]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, False,
-                                       correction(b, True))) for b in widths]
+                                       *variant(b, True))) for b in widths]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
-                                       *output_pass(b, True))) for b in widths]
+                                       *variant(b, True, True))) for b in widths]
     if "backward" in kernels:
         out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, count))
                 for l2norm, count in itertools.product((True, False), sms)]
@@ -112,7 +112,7 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         # (no dO either)
         for has_state, b in itertools.product([True, False], widths):
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, has_state, False, b, True, False, True,
-                                              correction(b))))
+                                              *variant(b))))
             scores = b in SCORES_WIDTHS
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, has_state, b, True, True, scores)))
             if b <= WALK_WIDEST:
@@ -121,6 +121,6 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         if all_flags:  # in the segments of a forward that ran whole-head programs in segments: the
             # recompute, and the reverse pass's first pass at whole heads
             out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, 128, True, False, True,
-                                              correction(128, True))))
+                                              *variant(128, True))))
             out.append((build_reverse_state_pass, (hqk, hv, 128, 128, dtype, False, 128, False, True)))
     return out
