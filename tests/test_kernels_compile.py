@@ -18,7 +18,7 @@ from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradien
 from flash_qla_tl.kernels.chunk_pipeline import (
     CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, PREP_REGS, register_split,
 )
-from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
+from flash_qla_tl.kernels.chunk_prep import build_chunk_prep, heads_per_program
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
 from flash_qla_tl.kernels.compile import check_named_barriers, compile_program
@@ -142,11 +142,12 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys, key_norm
     assert not re.search(r"for \(int [^)]*\) \{\s*__syncthreads\(\);", source)
     # The key tile by TMA (one barrier, no loads through registers), which M^T then overlays.
     buffers = shared_buffers(source)
-    assert "tma_load(k_desc" in source and buffers["Mt"] == buffers["k_tile"] == 0
+    assert "tma_load(k_desc" in source and buffers["L"] == buffers["k_tile"] == 0
     # Six programs per SM (228 KB, less the 1 KB the driver keeps per program and the 1 KB by which the
     # barrier moves the 1 KB-aligned dynamic buffer): every buffer ends within that sixth.
-    sizes = {"Mt": 64 * 64 * 4, "k_tile": 64 * 128 * 2, "X": 64 * 64 * 4}  # the rest: 64 floats
-    assert len(buffers) >= 7
+    gates = heads_per_program(hqk, hv) * 64 * 4  # a program's value heads' beta and gamma
+    sizes = {"L": 64 * 64 * 4, "k_tile": 64 * 128 * 2, "X": 64 * 64 * 4, "beta_tile": gates, "gamma_tile": gates}
+    assert len(buffers) >= 6  # the rest: 64 floats
     assert max(offset + sizes.get(name, 64 * 4) for name, offset in buffers.items()) <= 228 * 1024 // 6 - 2 * 1024
 
 

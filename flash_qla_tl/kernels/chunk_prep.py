@@ -1,6 +1,6 @@
 """Per-chunk preparation for the chunked gated delta rule: gate prefix sums and the WY inverse.
 
-For one chunk of ``n <= C`` tokens (first token ``s``) and one value head:
+For one chunk of ``n <= C`` tokens (first token ``s``) and each value head:
 
 * ``gamma_r = log2(e) * sum_{j <= r} g_j``: the chunk-local log decay, in base 2
   so that every later gate is a single ``exp2``.
@@ -18,6 +18,15 @@ For one chunk of ``n <= C`` tokens (first token ``s``) and one value head:
   gamma_j)``, ``j <= r``), which multiplies the values, and (``store_keys``)
   ``A_keys = -diag(G) A diag(r)`` (so ``Kbar = -diag(G) A Kn = A_keys K``,
   ``G = exp2(gamma)``), which multiplies the keys where a pass forms ``Kbar``.
+
+A program takes one chunk and ``heads_per_program`` value heads of one q/k head: the
+key tile, its Gram matrix and the keys' norms are made once and serve them all, since
+``M = diag(beta) L`` with ``L = strictly_lower(Kn Kn^T)`` the same for every value head
+of a q/k head.  ``L`` is stored once; each head's ``beta`` scales rows where ``M`` is
+used: a substitution row, or a block sum ``M_ik X_kj = diag(beta_i) (L_ik X_kj)`` as
+it leaves its accumulator.  (One program per value head loaded the tile and formed the
+Gram matrix for each, through the L1/shared pipe that bounds the kernel: ncu 87% on
+an H200 at (16,32) 8192x4.)
 
 ``I + M`` is unit lower triangular, so ``A0`` needs no division.  It is inverted
 by 16 x 16 blocks in fp32: the four diagonal blocks ``X_ii = (I + M_ii)^-1`` by
@@ -53,6 +62,22 @@ import math
 from .inverse_norms import EPS, padded_heads
 
 LOG2_E = math.log2(math.e)
+# The most value heads one program solves: their gates take 2 KB of shared memory at 4, which still leaves
+# six programs per SM.
+MAX_HEADS_PER_PROGRAM = 4
+
+
+def heads_per_program(num_qk_heads: int, num_v_heads: int) -> int:
+    """Value heads one ``chunk_prep`` program solves: the largest divisor of ``Hv / Hqk`` up to
+    ``MAX_HEADS_PER_PROGRAM`` (a program's heads share one q/k head)."""
+    ratio = num_v_heads // num_qk_heads
+    return max(d for d in range(1, MAX_HEADS_PER_PROGRAM + 1) if ratio % d == 0)
+
+
+def transposed_block(b):
+    """Where ``X_bb^T`` lives: block ``(b // 2, b + 1 - b // 2)`` of ``X``, above its diagonal (never part of
+    ``A0``), so that ``L``'s diagonal blocks stay for the next head.  ``b`` an int or an expression."""
+    return b // 2, b + 1 - b // 2
 
 
 def build_chunk_prep(
@@ -61,15 +86,16 @@ def build_chunk_prep(
 ):
     """Build the ``chunk_prep`` PrimFunc (contract: notes/kernel-interfaces.md).
 
-    One program per (chunk, value head), ``U * Hv`` on one axis.  ``T`` (tokens) and ``U``
-    (chunks) are symbolic, so one binary serves every length.  ``store_inverse``
+    One program per (chunk, group of ``heads_per_program`` value heads), ``U * Hv / G`` on
+    one axis.  ``T`` (tokens) and ``U`` (chunks) are symbolic, so one binary serves every
+    length.  ``store_inverse``
     (the backward) also writes ``A0`` itself, which the local gradients need and
     cannot recover from ``A_values`` once ``E`` underflows; otherwise ``A_inverse``
     may be a one-row placeholder (its rows are their own symbol).  Without
     ``store_keys`` (a forward whose state pass corrects the values in its chain,
     chunk_forward) ``A_keys`` is not written and may be a placeholder too.
     ``key_norms``: ``k_norm`` is an output, the keys' inverse norms (``inverse_norms``'
-    formula), written by the program of each q/k head's first value head; otherwise an
+    formula), written by the program of each q/k head's first value heads; otherwise an
     input (ones without l2norm).
     """
     import tilelang.language as T
@@ -83,6 +109,8 @@ def build_chunk_prep(
     if head_dim % 16 != 0:
         raise ValueError(f"head_dim must be a multiple of 16 (one wgmma k-step), got {head_dim}")
     v_heads_per_qk_head = num_v_heads // num_qk_heads
+    G = heads_per_program(num_qk_heads, num_v_heads)
+    groups = num_v_heads // G  # programs per chunk
     C = chunk
     B = 16  # block size of the blocked inverse
     S = 8  # floats per group of a solve buffer's row (one tensor-core fragment's columns), see ``solve_slot``
@@ -96,7 +124,7 @@ def build_chunk_prep(
     num_keys_rows = T.dynamic("num_keys_rows")
 
     def solve_slot(row, col):
-        """Where group ``col // S`` of row ``row`` of ``Mt`` or ``X`` is stored: the group index XOR ``row % 4``.
+        """Where group ``col // S`` of row ``row`` of ``L`` or ``X`` is stored: the group index XOR ``row % 4``.
 
         A warp's tensor-core fragment reads four rows ``k0 + t`` (``t < 4``) of eight columns in one
         group, and its accumulator writes rows ``r + gid`` of column pairs: unswizzled, rows 64 floats
@@ -109,30 +137,43 @@ def build_chunk_prep(
         """Element ``(row, col)`` of a swizzled solve buffer."""
         return buf[row, solve_slot(row, col), col % S]
 
+    # Left operands of the solve's products, element (row, col) of a 16 x 16 block as ``strip_product`` reads
+    # them: ``L`` (read down its columns, conflict-free; it is symmetric below the diagonal's blocks too,
+    # where only its strictly lower part is read), a finished block of ``X``, or ``X_ii`` from its transpose.
+    def lower_left(L):
+        return lambda row, col: at(L, col, row)
+
+    def x_left(X):
+        return lambda row, col: at(X, row, col)
+
+    def diagonal_left(X, i):
+        u, v = transposed_block(i)
+        return lambda row, col: at(X, u * B + col - i * B, v * B + row - i * B)
+
     @T.macro
-    def invert_diagonal_blocks(Mt, X, x, thread):
+    def invert_diagonal_blocks(L, X, x, thread, beta_row):
         """``X_bb <- (I + M_bb)^-1`` for the four 16 x 16 diagonal blocks (threads 0..63), stored twice:
-        in ``X``, and transposed over ``M_bb`` in ``Mt`` (dead once read here), as a left operand of
-        ``off_diagonal_blocks``.
+        in ``X``, and transposed in the block of ``X`` that ``transposed_block`` names, as a left operand
+        of ``off_diagonal_blocks``.
 
         Thread ``t`` solves column ``c = t % 16`` of block ``b = t // 16`` by forward
-        substitution, ``x_r = [r == c] - sum_{j < r} M_bb[r, j] x_j`` (120 fp32 FMAs);
+        substitution, ``x_r = [r == c] - beta_r sum_{j < r} L_bb[r, j] x_j`` (120 fp32 FMAs);
         rows above ``c`` come out as exact zeros and are stored too.
         """
         b = thread // B
         c = thread % B
+        u, v = transposed_block(b)
         if thread < C:
             for r in T.unroll(B):
-                x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0))
+                x[r] = T.float32(0)
                 for j in T.unroll(r):
-                    x[r] -= at(Mt, b * B + j, b * B + r) * x[j]
-        T.sync_threads()  # every thread has read M_bb
-        if thread < C:
+                    x[r] += at(L, b * B + j, b * B + r) * x[j]
+                x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0)) - beta_row(b * B + r) * x[r]
             for r in T.unroll(B):
                 X[b * B + r, solve_slot(b * B + r, b * B + c), c % S] = x[r]
             for h in T.unroll(B // S):
                 for a in T.vectorized(S):
-                    Mt[b * B + c, solve_slot(b * B + c, b * B + h * S), a] = x[h * S + a]
+                    X[u * B + c, solve_slot(u * B + c, v * B + h * S), a] = x[h * S + a]
 
     @T.macro
     def tf32_split(value, hi, lo, q):
@@ -142,11 +183,11 @@ def build_chunk_prep(
         lo[q] = value - hi[q]
 
     @T.macro
-    def strip_product(Mt, X, acc, frag, lane, i, k, right, strip, left_in_x=False):
-        """``acc += L_ik R[:, strip]`` for one warp: a 16 x 8 strip (columns ``8 strip + [0, 8)``) of the
-        product of a 16 x 16 left block, read transposed from ``Mt`` (``M_ik``, or ``X_ii`` in ``M``'s
-        dead diagonal blocks) or, ``left_in_x``, from ``X`` (2-way bank conflicts), and a right block:
-        ``X``'s block ``right`` (a pair of block indices), or a sum that ``sum_as_right`` left in registers.
+    def strip_product(left, X, acc, frag, lane, i, k, right, strip):
+        """``acc += left_ik R[:, strip]`` for one warp: a 16 x 8 strip (columns ``8 strip + [0, 8)``) of the
+        product of a 16 x 16 left block, element ``(row, col)`` read as ``left(row, col)`` (``lower_left``,
+        ``x_left`` or ``diagonal_left``), and a right block: ``X``'s block ``right`` (a pair of block
+        indices), or a sum that ``sum_as_right`` left in registers.
 
         fp32 on TF32 tensor cores, split in three (``hi hi + hi lo + lo hi``, ~21 significant bits,
         the size of fp32 forward substitution's rounding): ``mma.sync.m16n8k8``, two k-steps, the
@@ -160,8 +201,7 @@ def build_chunk_prep(
         a_hi, a_lo, b_hi, b_lo = frag
         for ks in T.unroll(B // 8):
             for q in T.unroll(4):
-                row, col = i * B + gid + 8 * (q % 2), k * B + ks * 8 + tig + 4 * (q // 2)
-                tf32_split(at(X, row, col) if left_in_x else at(Mt, col, row), a_hi, a_lo, q)
+                tf32_split(left(i * B + gid + 8 * (q % 2), k * B + ks * 8 + tig + 4 * (q // 2)), a_hi, a_lo, q)
             for q in T.unroll(2):
                 if isinstance(right, tuple):
                     tf32_split(at(X, right[0] * B + ks * 8 + tig + 4 * q, right[1] * B + strip * 8 + gid), b_hi, b_lo,
@@ -182,18 +222,20 @@ def build_chunk_prep(
             acc[q] = T.float32(0)
 
     @T.macro
-    def sum_as_right(acc, right, lane):
-        """A strip product's sum, handed to the same warp's next product as its right operand without a
-        trip through shared memory: B fragment entry ``ks * 2 + q`` of lane ``(gid, tig)`` is row
-        ``8 ks + tig + 4 q``, column ``gid`` of the strip, which the accumulator holds as element
-        ``2 ks + gid % 2`` of lane ``4 (tig + 4 q) + gid // 2`` (two shuffles, one per parity)."""
+    def sum_as_right(acc, right, lane, row_scale):
+        """A strip product's sum, its rows scaled by ``row_scale(row)`` (``beta`` of the block's rows:
+        ``M_ik X_kj = diag(beta_i) (L_ik X_kj)``), handed to the same warp's next product as its right
+        operand without a trip through shared memory: B fragment entry ``ks * 2 + q`` of lane
+        ``(gid, tig)`` is row ``8 ks + tig + 4 q``, column ``gid`` of the strip, which the accumulator
+        holds as element ``2 ks + gid % 2`` of lane ``4 (tig + 4 q) + gid // 2`` (two shuffles, one per
+        parity; each lane scales its own rows before they leave)."""
         gid = lane // 4
         tig = lane % 4
         for ks in T.unroll(2):
             for q in T.unroll(2):
                 source = 4 * (tig + 4 * q) + gid // 2
-                even = T.shfl_sync(strip_value(acc, 2 * ks), source)
-                odd = T.shfl_sync(strip_value(acc, 2 * ks + 1), source)
+                even = T.shfl_sync(strip_value(acc, 2 * ks) * row_scale(gid + 8 * ks), source)
+                odd = T.shfl_sync(strip_value(acc, 2 * ks + 1) * row_scale(gid + 8 * ks), source)
                 right[ks * 2 + q] = T.if_then_else(gid % 2 == 0, even, odd)
 
     @T.macro
@@ -210,19 +252,18 @@ def build_chunk_prep(
                 X[row, solve_slot(row, col), col % S + e] = -strip_value(acc, 2 * h + e)
 
     @T.macro
-    def off_diagonal_blocks(Mt, X, acc, frag, rights, thread):
+    def off_diagonal_blocks(L, X, acc, frag, rights, thread, beta_row):
         """The six blocks below the diagonal by 32 x 32 doubling, in two rounds of sums and products:
 
             X_10 = -X_11 (M_10 X_00),   X_32 = -X_33 (M_32 X_22)
             X_[23][01] = -X_[23] (M_[23][01] X_[01])
 
-        ``X_[01]``, ``X_[23]`` the 32 x 32 diagonal halves the first round completes.  Each warp
-        owns one 8-column strip of its blocks through a whole round (a product's strip needs only
-        the same strip of the sum), so a sum goes from a warp's accumulator to its own next product
-        in registers (``sum_as_right``), and only a round's results cross warps, through ``X``.  ``X_32``,
-        a left operand of the second round, is read from there: transposed over ``M_32`` in ``Mt`` it would
-        race with the other strip's warp, whose sum still reads ``M_32``.  Round 1: warp ``w`` takes pair
-        ``w // 2``; round 2: column block ``j = w // 2``, where ``X_2j = -X_22 T_2j``,
+        ``X_[01]``, ``X_[23]`` the 32 x 32 diagonal halves the first round completes, and every sum's
+        ``M_ik`` read as ``L_ik`` with the rows' ``beta`` applied to the sum (``sum_as_right``).  Each
+        warp owns one 8-column strip of its blocks through a whole round (a product's strip needs only
+        the same strip of the sum), so a sum goes from a warp's accumulator to its own next product in
+        registers, and only a round's results cross warps, through ``X``.  Round 1: warp ``w`` takes
+        pair ``w // 2``; round 2: column block ``j = w // 2``, where ``X_2j = -X_22 T_2j``,
         ``X_3j = -(X_32 T_2j + X_33 T_3j)`` with ``T_ij = sum_{k=j}^{1} M_ik X_kj``.
         """
         warp = thread // 32
@@ -231,10 +272,10 @@ def build_chunk_prep(
         pair = warp // 2
         i = 2 * pair + 1
         clear(acc)
-        strip_product(Mt, X, acc, frag, lane, i, i - 1, (i - 1, i - 1), strip)  # M_ij X_jj
-        sum_as_right(acc, rights[0], lane)
+        strip_product(lower_left(L), X, acc, frag, lane, i, i - 1, (i - 1, i - 1), strip)  # L_ij X_jj
+        sum_as_right(acc, rights[0], lane, lambda r: beta_row(i * B + r))
         clear(acc)
-        strip_product(Mt, X, acc, frag, lane, i, i, rights[0], strip)  # X_ii (M_ij X_jj)
+        strip_product(diagonal_left(X, i), X, acc, frag, lane, i, i, rights[0], strip)  # X_ii (M_ij X_jj)
         store_strip(X, acc, lane, (i, i - 1), strip)
         T.sync_threads()
 
@@ -243,25 +284,27 @@ def build_chunk_prep(
             clear(acc)
             for k in (0, 1):
                 if k >= j:
-                    strip_product(Mt, X, acc, frag, lane, row, k, (k, j), strip)
-            sum_as_right(acc, rights[row - 2], lane)
+                    strip_product(lower_left(L), X, acc, frag, lane, row, k, (k, j), strip)
+            sum_as_right(acc, rights[row - 2], lane, lambda r: beta_row(row * B + r))
         for row in (2, 3):
             clear(acc)
             for k in (2, 3)[: row - 1]:  # a Python tuple: k picks a register buffer
-                strip_product(Mt, X, acc, frag, lane, row, k, rights[k - 2], strip, left_in_x=k < row)
+                left = x_left(X) if k < row else diagonal_left(X, k)
+                strip_product(left, X, acc, frag, lane, row, k, rights[k - 2], strip)
             store_strip(X, acc, lane, (row, j), strip)
         T.sync_threads()
 
     @T.macro
-    def write_operands(X, beta_tile, k_scale, gamma_tile, row_gate, A_keys, A_values, A_inverse, s, n, head, thread):
-        """Rows ``r < n`` of ``A_keys``, ``A_values`` (and ``A_inverse``) from ``X = A0``, straight from registers.
+    def write_operands(X, beta_tile, k_scale, gamma_tile, A_keys, A_values, A_inverse, s, n, head0, h, thread):
+        """Rows ``r < n`` of ``A_keys``, ``A_values`` (and ``A_inverse``) of value head ``head0 + h`` from
+        ``X = A0``, straight from registers.
 
         Thread ``t`` owns the 8 adjacent columns ``J = 8 (t % 8) + [0, 8)`` of the rows
         ``t // 8 + 16 i``: its column factors (``beta_j``, ``beta_j rk_j``, ``gamma_j``)
         stay in registers, ``X`` comes in 16-byte loads and every output row segment
         leaves in one 16-byte store (8 threads write a row's 128 contiguous bytes).
         ``A[r, j] = A0[r, j] beta_j`` is zero above the block diagonal (where ``X`` holds
-        stale shared memory: a select, so it cannot leak in); ``E`` would
+        the diagonal blocks' transposes: a select, so they cannot leak in); ``E`` would
         overflow above the diagonal, so it is a select too.
         """
         j0 = (thread % 8) * 8
@@ -273,22 +316,23 @@ def build_chunk_prep(
         values_row = T.alloc_local([8], dtype)
         inverse_row = T.alloc_local([8], dtype)
         for e in T.unroll(8):
-            col_beta[e] = beta_tile[j0 + e]
+            col_beta[e] = beta_tile[h, j0 + e]
             if store_keys:
-                col_key[e] = beta_tile[j0 + e] * k_scale[j0 + e]
-            col_gamma[e] = gamma_tile[j0 + e] * LOG2_E
+                col_key[e] = beta_tile[h, j0 + e] * k_scale[j0 + e]
+            col_gamma[e] = gamma_tile[h, j0 + e] * LOG2_E
         for i in T.unroll(C // 16):
             r = thread // 8 + 16 * i
             for e in T.vectorized(8):
                 x_row[e] = X[r, solve_slot(r, j0), e]
             for e in T.unroll(8):
-                if store_keys:
+                if store_keys:  # the row factor -G_r = -exp2(gamma_r)
                     below = (j0 + e) // B <= r // B
-                    keys_row[e] = T.cast(T.if_then_else(below, row_gate[r] * x_row[e] * col_key[e], T.float32(0)),
-                                         dtype)
+                    keys_row[e] = T.cast(
+                        T.if_then_else(below, -T.exp2(gamma_tile[h, r] * LOG2_E) * x_row[e] * col_key[e], T.float32(0)),
+                        dtype)
                 values_row[e] = T.cast(
                     T.if_then_else(j0 + e <= r,
-                                   x_row[e] * col_beta[e] * T.exp2(gamma_tile[r] * LOG2_E - col_gamma[e]),
+                                   x_row[e] * col_beta[e] * T.exp2(gamma_tile[h, r] * LOG2_E - col_gamma[e]),
                                    T.float32(0)),
                     dtype,
                 )
@@ -297,12 +341,12 @@ def build_chunk_prep(
             if r < n:
                 if store_keys:
                     for e in T.vectorized(8):
-                        A_keys[s + r, head, j0 + e] = keys_row[e]
+                        A_keys[s + r, head0 + h, j0 + e] = keys_row[e]
                 for e in T.vectorized(8):
-                    A_values[s + r, head, j0 + e] = values_row[e]
+                    A_values[s + r, head0 + h, j0 + e] = values_row[e]
                 if store_inverse:
                     for e in T.vectorized(8):
-                        A_inverse[s + r, head, j0 + e] = inverse_row[e]
+                        A_inverse[s + r, head0 + h, j0 + e] = inverse_row[e]
 
     @T.prim_func
     def chunk_prep(
@@ -316,29 +360,25 @@ def build_chunk_prep(
         A_values: T.Tensor([num_tokens, num_v_heads, C], dtype),
         A_inverse: T.Tensor([num_inverse_rows, num_v_heads, C], dtype),
     ):
-        # One axis, value heads fastest: a chunk's value heads are neighbours in launch order, so
-        # they read its key rows (shared by a q/k head's value heads) while those are still in L2.
+        # One axis, head groups fastest: a chunk's programs are neighbours in launch order, so those of
+        # a q/k head's other groups read its key rows while those are still in L2.
         # (Not a 2-D grid with the chunks on y, whose 65535 would cap T at 4M tokens.)
-        with T.Kernel(num_chunks * num_v_heads, threads=threads) as program:
-            # 79 registers and 33 KB of shared memory (and the keys' barrier, which starts the
+        with T.Kernel(num_chunks * groups, threads=threads) as program:
+            # 79 registers and 34 KB of shared memory (and the keys' barrier, which starts the
             # 1 KB-aligned dynamic buffer 1 KB later): 6 blocks fit on an SM; more blocks in
             # flight hide the k loads, A stores and short solves of the others.  (A seventh,
             # with X packed to its ten lower blocks, measured 6% slower on an H100.)
             T.annotate_min_blocks_per_sm(6)
             k_tile = T.alloc_shared([C, head_dim], dtype)
-            beta_tile = T.alloc_shared([C], accum)
-            g_tile = T.alloc_shared([C], accum)
+            beta_tile = T.alloc_shared([G, C], accum)
+            gamma_tile = T.alloc_shared([G, C], accum)  # g, then its prefix sums in place
             k_scale = T.alloc_shared([C], accum)  # inverse norms of the keys
-            gamma_tile = T.alloc_shared([C], accum)
-            row_gate = T.alloc_shared([C], accum)  # -exp(gamma_r): A_keys' row factor
             gram = T.alloc_fragment([C, C], accum)
-            # M transposed, Mt[j, r] = M[r, j], where M = diag(beta) K K^T (strictly lower part
-            # read only): the solve's left operands, which a tensor-core fragment reads down columns of
-            # M.  Its diagonal blocks then hold the X_ii transposed.  Rows in groups of S floats,
-            # swizzled (``solve_slot``).
-            Mt = T.alloc_shared([C, C // S, S], accum)
-            # A0 = (I + M)^-1, block lower triangular, swizzled like Mt (the blocks above the diagonal
-            # are never written; the diagonal blocks' upper halves are zeros).
+            # L = strictly_lower(Kn Kn^T), stored whole (symmetric): the solve's left operands, which a
+            # tensor-core fragment reads down columns.  Rows in groups of S floats, swizzled (``solve_slot``).
+            L = T.alloc_shared([C, C // S, S], accum)
+            # A0 = (I + M)^-1 of one head, block lower triangular, swizzled like L; the diagonal blocks' upper
+            # halves are zeros, and four blocks above the diagonal hold their transposes (``transposed_block``).
             X = T.alloc_shared([C, C // S, S], accum)
             keys_loaded = T.alloc_barrier(arrive_count=threads)
             x = T.alloc_local([B], accum)
@@ -346,11 +386,11 @@ def build_chunk_prep(
             frag = [T.alloc_local([size], accum) for size in (4, 4, 2, 2)]  # A hi, lo; B hi, lo
             rights = [T.alloc_local([4], accum) for _ in range(2)]  # sums as B fragments
 
-            chunk_id = program // num_v_heads
-            head = program % num_v_heads
+            chunk_id = program // groups
+            head0 = (program % groups) * G  # the program's first value head
             s = chunk_table[chunk_id, 0]
             n = chunk_table[chunk_id, 1] - s
-            qk_head = head // v_heads_per_qk_head
+            qk_head = head0 // v_heads_per_qk_head
             thread = T.get_thread_binding()
 
             if n > 0:  # n == 0 is a padding entry of the chunk table: nothing to do
@@ -360,22 +400,21 @@ def build_chunk_prep(
                 # they hold reaches only the Gram matrix's rows and columns >= n, masked below.
                 T.tma_copy(k[s : s + C, qk_head, :], k_tile, barrier=keys_loaded)
                 T.barrier_arrive(keys_loaded)
+                for h, r in T.Parallel(G, C):
+                    beta_tile[h, r] = T.if_then_else(r < n, beta[s + r, head0 + h], T.float32(0))
+                    gamma_tile[h, r] = T.if_then_else(r < n, g[s + r, head0 + h], T.float32(0))
                 for r in T.Parallel(C):
-                    beta_tile[r] = T.if_then_else(r < n, beta[s + r, head], T.float32(0))
-                    g_tile[r] = T.if_then_else(r < n, g[s + r, head], T.float32(0))
                     # With key_norms the Gram matrix's diagonal overwrites it; written here all the same, so
                     # that it is live beside the key tile: otherwise the shared-memory merge may give it the
-                    # tile's space, which M^T then cannot take (50 KB a program, four per SM instead of six).
+                    # tile's space, which L then cannot take (50 KB a program, four per SM instead of six).
                     k_scale[r] = T.if_then_else(r < n and not key_norms, k_norm[s + r, qk_head], T.float32(0))
 
                 T.barrier_wait(keys_loaded, 0)
                 # Sum in natural log, then change base once: gamma_r = log2(e) * sum_{j<=r} g_j.
-                T.cumsum(src=g_tile, dst=gamma_tile, dim=0)
-                for r in T.Parallel(C):
-                    if store_keys:
-                        row_gate[r] = -T.exp2(gamma_tile[r] * LOG2_E)
+                T.cumsum(src=gamma_tile, dim=1)
+                for h, r in T.Parallel(G, C):
                     if r < n:
-                        gamma[s + r, head] = gamma_tile[r] * LOG2_E
+                        gamma[s + r, head0 + h] = gamma_tile[h, r] * LOG2_E
 
                 # Synchronous on purpose: the shared-memory merge gives k_tile's space to later buffers
                 # by program order, which an asynchronous GEMM still reading it would race with.
@@ -384,38 +423,42 @@ def build_chunk_prep(
                     for r, j in T.Parallel(C, C):
                         if r == j:
                             k_scale[r] = T.if_then_else(r < n, T.rsqrt(gram[r, j] + EPS), T.float32(0))
-                    if head % v_heads_per_qk_head == 0:
+                    if head0 % v_heads_per_qk_head == 0:
                         for r in T.Parallel(C):
                             if r < n:
                                 k_norm[s + r, qk_head] = k_scale[r]
 
-                # K K^T is symmetric: Mt[r, j] = M[j, r] from the accumulator's own (r, j).  Scaled in
-                # registers first, stored after: TileLang puts a block-wide barrier in every iteration
-                # of a loop that both reads and writes shared memory (16 here: 3% of the kernel's time, H100).
+                # Scaled in registers first, stored after: TileLang puts a block-wide barrier in every
+                # iteration of a loop that both reads and writes shared memory (16 here: 3% of the
+                # kernel's time, H100).
                 for r, j in T.Parallel(C, C):
-                    gram[r, j] = beta_tile[j] * k_scale[j] * k_scale[r] * gram[r, j]
+                    gram[r, j] = k_scale[j] * k_scale[r] * gram[r, j]
                 # Rows and columns >= n: the TMA tile's tokens of other chunks, which may be inf or NaN
                 # (0 * inf above).  A select of registers, in a loop of its own: in the loop above it
                 # split the shared loads of the factors into scalar ones.
                 for r, j in T.Parallel(C, C):
                     gram[r, j] = T.Select(r < n and j < n, gram[r, j], T.float32(0))
-                T.sync_threads()  # the Gram GEMM has read k_tile, which Mt overwrites
+                T.sync_threads()  # the Gram GEMM has read k_tile, which L overwrites
                 for r, j in T.Parallel(C, C):
-                    Mt[r, solve_slot(r, j), j % S] = gram[r, j]
+                    L[r, solve_slot(r, j), j % S] = gram[r, j]
                 T.sync_threads()
 
-                # Blocked inverse of the unit lower triangular I + M (16 x 16 blocks): X_ii = (I + M_ii)^-1
-                # on CUDA cores, then the blocks below the diagonal on TF32 tensor cores, split in three.
-                invert_diagonal_blocks(Mt, X, x, thread)
-                T.sync_threads()
-                off_diagonal_blocks(Mt, X, acc, frag, rights, thread)
-
-                write_operands(X, beta_tile, k_scale, gamma_tile, row_gate, A_keys, A_values, A_inverse, s, n, head,
-                               thread)
+                # Per value head, the blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
+                # X_ii = (I + M_ii)^-1 on CUDA cores, then the blocks below the diagonal on TF32 tensor
+                # cores, split in three; then the head's operands.
+                for h in T.serial(G):
+                    beta_row = lambda row: beta_tile[h, row]  # noqa: E731
+                    invert_diagonal_blocks(L, X, x, thread, beta_row)
+                    T.sync_threads()
+                    off_diagonal_blocks(L, X, acc, frag, rights, thread, beta_row)
+                    write_operands(X, beta_tile, k_scale, gamma_tile, A_keys, A_values, A_inverse, s, n, head0, h,
+                                   thread)
+                    if G > 1:
+                        T.sync_threads()  # the next head's blocks overwrite X, which this head's operands read
 
     return chunk_prep
 
 
-# Shared memory by liveness: Mt takes the key tile's space once the Gram matrix has read
+# Shared memory by liveness: L takes the key tile's space once the Gram matrix has read
 # it, so a program keeps to 34 KB, six per SM.
 build_chunk_prep.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
