@@ -76,6 +76,18 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
     return reason
 
 
+def prep_heads(num_chunks: int, num_qk_heads: int, num_v_heads: int, sms: int) -> int:
+    """Value heads per ``chunk_prep`` program (its ``heads_per_program``), from shapes alone: the most its
+    kernel takes where that still leaves a program per SM, else one.  A program loads a chunk's keys and
+    forms their Gram matrix once for all its heads (the call 3-7% faster at 8192x4 with two to four heads a
+    program, H200, BENCHMARKS.md "Session 29"), but solves the heads one after another: (2,8) 1x2048, 64
+    programs of four heads, took 0.075 ms against 0.071 with one head a program."""
+    from .kernels.chunk_prep import most_heads_per_program
+
+    most = most_heads_per_program(num_qk_heads, num_v_heads)
+    return most if num_chunks * num_v_heads // most >= sms else 1
+
+
 def packed_tokens(x: torch.Tensor) -> torch.Tensor:
     """``[B, T, ...]`` -> contiguous ``[B * T, ...]`` at a 16-byte aligned address (TMA needs both)."""
     x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
@@ -224,7 +236,8 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     a_keys = new("a_keys") if store_keys else None
     a_inverse = new("a_inverse") if store_inverse else None
     prep = compile_program(build_chunk_prep, hqk, hv, kdim, dtype, store_inverse, store_keys,
-                           use_qk_l2norm_in_kernel)
+                           use_qk_l2norm_in_kernel,
+                           prep_heads(chunks.shape[0], hqk, hv, context_parallel.num_sms(device)))
     unused = placeholder((1, hv, 64), q.dtype, device)
     prep(k, k_norm, g, beta, chunks, gamma, unused if a_keys is None else a_keys, a_values,
          unused if a_inverse is None else a_inverse)

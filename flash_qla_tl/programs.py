@@ -16,7 +16,7 @@ from .kernels.causal_conv_prefill import build_causal_conv_prefill, build_causal
 from .kernels.causal_conv_step import build_causal_conv_step
 from .kernels.chunk_forward import build_chunk_forward
 from .kernels.chunk_local_gradients import build_chunk_local_gradients
-from .kernels.chunk_prep import build_chunk_prep
+from .kernels.chunk_prep import build_chunk_prep, most_heads_per_program
 from .kernels.chunk_scores import build_chunk_scores
 from .kernels.gated_rms_norm import build_gated_rms_norm, build_gated_rms_norm_backward
 from .kernels.inverse_norms import build_inverse_norms
@@ -81,10 +81,11 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         [build_gated_rms_norm_backward] if "backward" in kernels else [])  # the forward: listed with decode's
     out += [(build, (128, dtype)) for build in norm_builds]
     # chunk_prep: (store_inverse, store_keys) of the forward's plans and of the backward, each with and
-    # without the keys' norms (the l2norm)
+    # without the keys' norms (the l2norm), with one value head a program and with the most (prep_heads)
     preps = [(False, False), (False, True)] + ([(True, True)] if "backward" in kernels else [])
-    out += [(build_chunk_prep, (hqk, hv, 128, dtype, inverse, keys, l2norm))
-            for (inverse, keys), l2norm in itertools.product(preps, (True, False))]
+    out += [(build_chunk_prep, (hqk, hv, 128, dtype, inverse, keys, l2norm, heads))
+            for (inverse, keys), l2norm, heads in itertools.product(
+                preps, (True, False), sorted({1, most_heads_per_program(hqk, hv)}))]
     out += [(build_inverse_norms, (hqk, 128, dtype)), (build_zero_tail_rows, (hv * 128, dtype)),
             (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
     # a state pass's trailing arguments, per width, for one pass over whole sequences or over segments, with or

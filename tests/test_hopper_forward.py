@@ -117,10 +117,11 @@ def test_other_gpus_run_the_reference(monkeypatch):
     assert rel_rms(o, o_ref) <= TOL
 
 
-@pytest.mark.parametrize("key_norms", [False, True])
-def test_chunk_prep_intermediates(key_norms):
+@pytest.mark.parametrize("key_norms,heads", [(False, 1), (True, 1), (False, 4), (True, 2)])
+def test_chunk_prep_intermediates(key_norms, heads):
     """gamma, the operands A_keys, A_values and the backward's A0 of the prep kernel, against a float64 mirror;
-    with ``key_norms`` (the l2norm) also the keys' inverse norms it writes from its Gram matrix's diagonal."""
+    with ``key_norms`` (the l2norm) also the keys' inverse norms it writes from its Gram matrix's diagonal;
+    ``heads`` value heads a program (the four of a q/k head here, or two of them)."""
     from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
     from flash_qla_tl.kernels.compile import compile_program
 
@@ -137,7 +138,7 @@ def test_chunk_prep_intermediates(key_norms):
     k_norm = torch.full((total, 4), math.nan, device="cuda")
     if not key_norms:
         k_norm[:, :2] = inverse_norms.float()
-    compile_program(build_chunk_prep, 2, 8, D, "bfloat16", True, True, key_norms)(
+    compile_program(build_chunk_prep, 2, 8, D, "bfloat16", True, True, key_norms, heads)(
         k, k_norm, g, beta, chunks, gamma, a_keys, a_values, a_inverse)
     assert rel_rms(k_norm[:, :2], inverse_norms) < 1e-5
 

@@ -18,7 +18,7 @@ from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradien
 from flash_qla_tl.kernels.chunk_pipeline import (
     CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, PREP_REGS, register_split,
 )
-from flash_qla_tl.kernels.chunk_prep import build_chunk_prep, heads_per_program
+from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
 from flash_qla_tl.kernels.compile import check_named_barriers, compile_program
@@ -123,13 +123,13 @@ def test_inverse_norms_compiles(dtype):
     assert "rsqrt" in source
 
 
-@pytest.mark.parametrize("hqk,hv,dtype,store_inverse,store_keys,key_norms", [
-    (16, 32, "bfloat16", False, True, False), (16, 32, "bfloat16", False, False, True),
-    (2, 8, "float16", True, True, True), (16, 64, "bfloat16", True, True, False),
-    (16, 32, "bfloat16", False, True, True)])
-def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys, key_norms):
+@pytest.mark.parametrize("hqk,hv,dtype,store_inverse,store_keys,key_norms,heads", [
+    (16, 32, "bfloat16", False, True, False, 2), (16, 32, "bfloat16", False, False, True, 1),
+    (2, 8, "float16", True, True, True, 4), (16, 64, "bfloat16", True, True, False, 1),
+    (16, 32, "bfloat16", False, True, True, 1), (16, 48, "bfloat16", False, False, False, 3)])
+def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys, key_norms, heads):
     source = compile_program(build_chunk_prep, hqk, hv, 128, dtype, store_inverse, store_keys,
-                             key_norms).get_kernel_source()
+                             key_norms, heads).get_kernel_source()
     assert "wgmma" in source  # the Gram matrix runs on the tensor cores
     # and so do the solve's blocks below the diagonal: TF32 mma.sync, a sum handed to the next product by shuffles
     assert "tl::mma_sync<tl::DataType::kTensorFloat32" in source and "__shfl_sync" in source
@@ -145,10 +145,15 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys, key_norm
     assert "tma_load(k_desc" in source and buffers["L"] == buffers["k_tile"] == 0
     # Six programs per SM (228 KB, less the 1 KB the driver keeps per program and the 1 KB by which the
     # barrier moves the 1 KB-aligned dynamic buffer): every buffer ends within that sixth.
-    gates = heads_per_program(hqk, hv) * 64 * 4  # a program's value heads' beta and gamma
+    gates = heads * 64 * 4  # a program's value heads' beta and gamma
     sizes = {"L": 64 * 64 * 4, "k_tile": 64 * 128 * 2, "X": 64 * 64 * 4, "beta_tile": gates, "gamma_tile": gates}
     assert len(buffers) >= 6  # the rest: 64 floats
     assert max(offset + sizes.get(name, 64 * 4) for name, offset in buffers.items()) <= 228 * 1024 // 6 - 2 * 1024
+
+
+def test_chunk_prep_refuses_a_head_group_that_does_not_divide_a_qk_heads_value_heads():
+    with pytest.raises(ValueError, match="heads_per_program"):
+        build_chunk_prep(2, 8, 128, "bfloat16", False, False, False, 3)
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,has_h0,store_ht,block_v", [

@@ -229,3 +229,12 @@ def test_unit_norms_are_ones_from_one_tensor_per_width():
     wider = hopper_forward.unit_norms((6, 8), cpu)
     assert wider.shape == (6, 8) and bool((wider == 1).all())
     assert hopper_forward.unit_norms((25, 4), cpu).data_ptr() == longer.data_ptr()
+
+
+@pytest.mark.parametrize("chunks,heads,per_program", [
+    (512, (16, 32), 2), (512, (16, 64), 4), (512, (16, 48), 3), (512, (32, 32), 1), (512, (1, 8), 4),
+    (128, (2, 8), 4),  # 256 programs of four heads
+    (32, (2, 8), 1),  # four heads a program would leave 64 programs for 132 SMs
+])
+def test_prep_heads_share_a_program_while_the_programs_fill_the_sms(chunks, heads, per_program):
+    assert hopper_forward.prep_heads(chunks, *heads, sms=132) == per_program

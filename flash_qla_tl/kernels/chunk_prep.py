@@ -67,8 +67,8 @@ LOG2_E = math.log2(math.e)
 MAX_HEADS_PER_PROGRAM = 4
 
 
-def heads_per_program(num_qk_heads: int, num_v_heads: int) -> int:
-    """Value heads one ``chunk_prep`` program solves: the largest divisor of ``Hv / Hqk`` up to
+def most_heads_per_program(num_qk_heads: int, num_v_heads: int) -> int:
+    """The most value heads one ``chunk_prep`` program may solve: the largest divisor of ``Hv / Hqk`` up to
     ``MAX_HEADS_PER_PROGRAM`` (a program's heads share one q/k head)."""
     ratio = num_v_heads // num_qk_heads
     return max(d for d in range(1, MAX_HEADS_PER_PROGRAM + 1) if ratio % d == 0)
@@ -82,13 +82,14 @@ def transposed_block(b):
 
 def build_chunk_prep(
     num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str, store_inverse: bool = False,
-    store_keys: bool = True, key_norms: bool = False, chunk: int = 64
+    store_keys: bool = True, key_norms: bool = False, heads_per_program: int = 1, chunk: int = 64
 ):
     """Build the ``chunk_prep`` PrimFunc (contract: notes/kernel-interfaces.md).
 
-    One program per (chunk, group of ``heads_per_program`` value heads), ``U * Hv / G`` on
-    one axis.  ``T`` (tokens) and ``U`` (chunks) are symbolic, so one binary serves every
-    length.  ``store_inverse``
+    One program per (chunk, group of ``heads_per_program`` value heads of one q/k head), ``U * Hv /
+    heads_per_program`` on one axis (a divisor of ``Hv / Hqk`` up to ``MAX_HEADS_PER_PROGRAM``: more heads a
+    program, fewer loads and Gram matrices, but fewer programs for short inputs; the launcher picks).
+    ``T`` (tokens) and ``U`` (chunks) are symbolic, so one binary serves every length.  ``store_inverse``
     (the backward) also writes ``A0`` itself, which the local gradients need and
     cannot recover from ``A_values`` once ``E`` underflows; otherwise ``A_inverse``
     may be a one-row placeholder (its rows are their own symbol).  Without
@@ -109,7 +110,10 @@ def build_chunk_prep(
     if head_dim % 16 != 0:
         raise ValueError(f"head_dim must be a multiple of 16 (one wgmma k-step), got {head_dim}")
     v_heads_per_qk_head = num_v_heads // num_qk_heads
-    G = heads_per_program(num_qk_heads, num_v_heads)
+    if not (0 < heads_per_program <= MAX_HEADS_PER_PROGRAM and v_heads_per_qk_head % heads_per_program == 0):
+        raise ValueError(f"heads_per_program ({heads_per_program}) must divide Hv / Hqk ({v_heads_per_qk_head}) "
+                         f"and be at most {MAX_HEADS_PER_PROGRAM}")
+    G = heads_per_program
     groups = num_v_heads // G  # programs per chunk
     C = chunk
     B = 16  # block size of the blocked inverse
