@@ -79,9 +79,9 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
 def prep_heads(num_chunks: int, num_qk_heads: int, num_v_heads: int, sms: int) -> int:
     """Value heads per ``chunk_prep`` program (its ``heads_per_program``), from shapes alone: the most its
     kernel takes where that still leaves a program per SM, else one.  A program loads a chunk's keys and
-    forms their Gram matrix once for all its heads (the call 3-7% faster at 8192x4 with two to four heads a
-    program, H200, BENCHMARKS.md "Session 29"), but solves the heads one after another: (2,8) 1x2048, 64
-    programs of four heads, took 0.075 ms against 0.071 with one head a program."""
+    forms their Gram matrix once for all its heads (the call 2-5% faster at (16,32) 8192x4 with two heads a
+    program, 6% at (16,48) and (16,64) with three and four; H200, BENCHMARKS.md "Session 29"), but solves the
+    heads one after another: (2,8) 1x2048, 64 programs of four heads, took 0.075 ms against 0.071 with one."""
     from .kernels.chunk_prep import most_heads_per_program
 
     most = most_heads_per_program(num_qk_heads, num_v_heads)
@@ -225,12 +225,12 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     # the last sequence (a token axis padded under capture) stay unwritten, and every pass
     # selects rows past a chunk's end away.
     layout = dict(zip(PREPARED_FIELDS, prepared_layout(total, hqk, hv, q.dtype)))
-    new = lambda field: torch.empty(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
+    new = lambda field, fill=torch.empty: fill(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
     if use_qk_l2norm_in_kernel:
         q_norm, k_norm = new("q_norm"), new("k_norm")
         compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
     else:
-        q_norm = k_norm = unit_norms(layout["q_norm"][0], device)
+        q_norm = k_norm = new("q_norm", torch.ones)
 
     gamma, a_values = new("gamma"), new("a_values")
     a_keys = new("a_keys") if store_keys else None
@@ -382,25 +382,6 @@ def zero_rows_past_last_sequence(out: torch.Tensor, cu_seqlens: torch.Tensor) ->
 
     rows = out.view(out.shape[0], -1)
     compile_program(build_zero_tail_rows, rows.shape[1], KERNEL_DTYPES[out.dtype])(cu_seqlens, rows)
-
-
-_UNIT_NORMS: dict = {}
-
-
-def unit_norms(shape: tuple, device: torch.device) -> torch.Tensor:
-    """Ones, fp32, of ``shape`` ``[T, heads]``: the inverse norms without l2norm, which the kernels only read.
-
-    One tensor per (device, width), grown as needed and sliced, so that a call runs no fill kernel (a
-    launch and 1.4 us on every call under a CUDA graph, H200).  Under capture a fresh one is made as a
-    node of the graph: a capture runs no kernel, so a tensor cached then would hold ones only after a replay.
-    """
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.ones(shape, dtype=torch.float32, device=device)
-    rows, width = shape
-    key = (device, width)
-    if key not in _UNIT_NORMS or _UNIT_NORMS[key].shape[0] < rows:
-        _UNIT_NORMS[key] = torch.ones(rows, width, dtype=torch.float32, device=device)
-    return _UNIT_NORMS[key][:rows]
 
 
 @functools.lru_cache(maxsize=None)

@@ -216,21 +216,6 @@ def test_decode_width_is_planned_for_one_wave(seqs, heads, block_v, monkeypatch)
     assert hopper_recurrent.plan_block_v(seqs, heads, None) == block_v
 
 
-def test_unit_norms_are_ones_from_one_tensor_per_width():
-    """The inverse norms without l2norm: ones, sliced from one tensor per (device, width) that grows as needed
-    (no fill kernel per call)."""
-    cpu = torch.device("cpu")
-    first = hopper_forward.unit_norms((10, 4), cpu)
-    assert first.shape == (10, 4) and first.dtype == torch.float32 and bool((first == 1).all())
-    shorter = hopper_forward.unit_norms((6, 4), cpu)
-    assert shorter.shape == (6, 4) and shorter.data_ptr() == first.data_ptr()
-    longer = hopper_forward.unit_norms((25, 4), cpu)
-    assert longer.shape == (25, 4) and bool((longer == 1).all()) and longer.is_contiguous()
-    wider = hopper_forward.unit_norms((6, 8), cpu)
-    assert wider.shape == (6, 8) and bool((wider == 1).all())
-    assert hopper_forward.unit_norms((25, 4), cpu).data_ptr() == longer.data_ptr()
-
-
 @pytest.mark.parametrize("chunks,heads,per_program", [
     (512, (16, 32), 2), (512, (16, 64), 4), (512, (16, 48), 3), (512, (32, 32), 1), (512, (1, 8), 4),
     (128, (2, 8), 4),  # 256 programs of four heads

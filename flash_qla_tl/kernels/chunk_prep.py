@@ -26,7 +26,8 @@ of a q/k head.  ``L`` is stored once; each head's ``beta`` scales rows where ``M
 used: a substitution row, or a block sum ``M_ik X_kj = diag(beta_i) (L_ik X_kj)`` as
 it leaves its accumulator.  (One program per value head loaded the tile and formed the
 Gram matrix for each, through the L1/shared pipe that bounds the kernel: ncu 87% on
-an H200 at (16,32) 8192x4.)
+an H200 at (16,32) 8192x4, where two heads a program took 160 us instead of 175;
+BENCHMARKS.md "Session 29".)
 
 ``I + M`` is unit lower triangular, so ``A0`` needs no division.  It is inverted
 by 16 x 16 blocks in fp32: the four diagonal blocks ``X_ii = (I + M_ii)^-1`` by
@@ -368,7 +369,7 @@ def build_chunk_prep(
         # a q/k head's other groups read its key rows while those are still in L2.
         # (Not a 2-D grid with the chunks on y, whose 65535 would cap T at 4M tokens.)
         with T.Kernel(num_chunks * groups, threads=threads) as program:
-            # 79 registers and 34 KB of shared memory (and the keys' barrier, which starts the
+            # 80 registers and 33-35 KB of shared memory (and the keys' barrier, which starts the
             # 1 KB-aligned dynamic buffer 1 KB later): 6 blocks fit on an SM; more blocks in
             # flight hide the k loads, A stores and short solves of the others.  (A seventh,
             # with X packed to its ten lower blocks, measured 6% slower on an H100.)
