@@ -143,8 +143,8 @@ def build_chunk_prep(
         return buf[row, solve_slot(row, col), col % S]
 
     # Left operands of the solve's products, element (row, col) of a 16 x 16 block as ``strip_product`` reads
-    # them: ``L`` (read down its columns, conflict-free; it is symmetric below the diagonal's blocks too,
-    # where only its strictly lower part is read), a finished block of ``X``, or ``X_ii`` from its transpose.
+    # them: ``L`` (the whole symmetric Gram matrix is stored, so element (row, col) is read at (col, row),
+    # down a column: conflict-free), a finished block of ``X``, or ``X_ii`` from its transpose.
     def lower_left(L):
         return lambda row, col: at(L, col, row)
 
