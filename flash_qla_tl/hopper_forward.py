@@ -79,7 +79,7 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
 def prep_heads(num_chunks: int, num_qk_heads: int, num_v_heads: int, sms: int) -> int:
     """Value heads per ``chunk_prep`` program (its ``heads_per_program``), from shapes alone: the most its
     kernel takes where that still leaves a program per SM, else one.  A program loads a chunk's keys and
-    forms their Gram matrix once for all its heads (the call 2-5% faster at (16,32) 8192x4 with two heads a
+    forms their Gram matrix once for all its heads (the call 3-5% faster at (16,32) 8192x4 with two heads a
     program, 6% at (16,48) and (16,64) with three and four; H200, BENCHMARKS.md "Session 29"), but solves the
     heads one after another: (2,8) 1x2048, 64 programs of four heads, took 0.075 ms against 0.071 with one."""
     from .kernels.chunk_prep import most_heads_per_program

@@ -140,7 +140,7 @@ def test_chunk_prep_compiles(hqk, hv, dtype, store_inverse, store_keys, key_norm
     # No block-wide barrier heads a loop's body: TileLang puts one in every iteration of a loop that
     # both reads and writes shared memory (the store of M^T had 16, 3% of the kernel's time on an H100).
     assert not re.search(r"for \(int [^)]*\) \{\s*__syncthreads\(\);", source)
-    # The key tile by TMA (one barrier, no loads through registers), which M^T then overlays.
+    # The key tile by TMA (one barrier, no loads through registers), which L then overlays.
     buffers = shared_buffers(source)
     assert "tma_load(k_desc" in source and buffers["L"] == buffers["k_tile"] == 0
     # Six programs per SM (228 KB, less the 1 KB the driver keeps per program and the 1 KB by which the
