@@ -37,16 +37,18 @@ import flash_qla_tl as fq  # noqa: E402
 from flash_qla_tl import context_parallel, hopper_backward, hopper_forward  # noqa: E402
 
 
-def plans(total: int, num_seqs: int, hv: int, sms: int, widths, min_split: int, fill: int) -> dict:
+def plans(total: int, num_seqs: int, hv: int, sms: int, widths, min_split: int, fill: int,
+          min_tokens: int = context_parallel.MIN_SEGMENT_TOKENS) -> dict:
     """Every plan worth timing for this shape, by name: each width alone, and with segments of every
-    power-of-two split from ``min_split`` up to the most whose programs fit ``fill`` to an SM of ``sms``."""
+    power-of-two split from ``min_split`` up to the most whose programs fit ``fill`` to an SM of ``sms``,
+    of ``min_tokens`` or more each."""
     out = {}
     mean_length = -(-total // num_seqs)
     for block_v in widths:
         programs = (hopper_forward.HEAD_DIM // block_v) * hv * num_seqs
         out[f"{block_v}"] = hopper_forward.StatePassPlan(block_v, None)
         split = min_split
-        while split * programs <= fill * sms and mean_length >= split * context_parallel.MIN_SEGMENT_TOKENS:
+        while split * programs <= fill * sms and mean_length >= split * min_tokens:
             seg = context_parallel.split_length(total, num_seqs, split)
             out[f"{block_v}+cp{seg}"] = hopper_forward.StatePassPlan(block_v, seg)
             split *= 2
@@ -60,12 +62,17 @@ def main():
     p.add_argument("--backward", action="store_true", help="the backward's walks instead of the forward")
     p.add_argument("--fill", type=int, default=1, help="programs per SM the largest split may ask for")
     p.add_argument("--min-split", type=int, default=context_parallel.MIN_SEGMENTS, help="the smallest split")
+    p.add_argument("--min-segment-tokens", type=int, default=context_parallel.MIN_SEGMENT_TOKENS,
+                   help="the shortest segments tried (a multiple of 64)")
+    p.add_argument("--no-fla", action="store_true", help="ours only (fla's first calls compile for minutes)")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()} {versions()}")
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
-    except ImportError:
-        fla = None
+    fla = None
+    if not args.no_fla:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+        except ImportError:
+            pass
     device = torch.device("cuda")
     sms = context_parallel.num_sms(device)
     for hqk, hv in parse_heads(args.heads, []):
@@ -74,10 +81,10 @@ def main():
             total, x = sum(seqs), make_problem(hqk, hv, seqs)
             if args.backward:
                 row = compare_walks(x, hv, seqs, plans(total, len(seqs), hv, sms // 2, hopper_backward.WALK_WIDTHS,
-                                                       args.min_split, args.fill))
+                                                       args.min_split, args.fill, args.min_segment_tokens))
             else:
                 row = compare_forward(x, hv, seqs, plans(total, len(seqs), hv, sms, hopper_forward.BLOCK_WIDTHS,
-                                                         args.min_split, args.fill))
+                                                         args.min_split, args.fill, args.min_segment_tokens))
                 if fla is not None:
                     ms = graph_ms(lambda: fla(**x, output_final_state=True, use_qk_l2norm_in_kernel=True))
                     row.append(f"fla {ms:.3f}")

@@ -42,6 +42,9 @@ MIN_SEGMENTS = 4  # three passes must buy at least 4x the parallelism
 MIN_SEGMENT_TOKENS = 1024  # shorter segments make the scan dominate
 WIDE_SEGMENTS = 8  # whole-head programs split at least this finely: see wide_segment_length
 WIDE_SEGMENT_TOKENS = 2048
+# Shorter whole-head segments, where those of WIDE_SEGMENT_TOKENS are too few, but only where they make this
+# many programs: see wide_segment_length
+SHORT_WIDE_SEGMENT_TOKENS, SHORT_WIDE_PROGRAMS = 1024, 64
 
 
 def num_sms(device: torch.device) -> int:
@@ -71,15 +74,24 @@ def split_length(total_tokens: int, num_seqs: int, split: int) -> int:
 
 def wide_segment_length(total_tokens: int, num_seqs: int, heads: int, sms: int) -> int | None:
     """Tokens per segment for whole-head (128-column) programs, when they split into at least
-    ``WIDE_SEGMENTS`` segments of ``WIDE_SEGMENT_TOKENS`` or more that all fit on the SMs at once; else None.
+    ``WIDE_SEGMENTS`` segments that all fit on the SMs at once, of ``WIDE_SEGMENT_TOKENS`` or more, else of
+    ``SHORT_WIDE_SEGMENT_TOKENS`` or more where those make ``SHORT_WIDE_PROGRAMS`` programs; else None.
 
     ``heads`` is the number of (sequence, value head) pairs.  Three passes of 128-column
     programs beat one pass of narrow ones only with that many segments (H200, CUDA graphs,
     ``benchmarks/compare_plans.py``, BENCHMARKS.md: (2,8) 1x32768 0.546 ms at 16 segments
-    against 0.888 at 4 segments of 32 columns; at 4 segments they lost or tied).
+    against 0.888 at 4 segments of 32 columns; at 4 segments they lost or tied).  Segments of
+    1024 tokens win where they make 64 programs or more ((2,8) 1x8192: 0.141 ms against 0.167 for
+    32 columns in 4 segments; (4,16) 1x8192: 0.213 against 0.255 for 32 columns unsplit), and lose
+    where they make 32 or fewer, to the narrow programs in the same segments ((2,4) 1x8192: 0.125
+    against 0.108; (1,2): 0.116 against 0.087); H200, l2norm, BENCHMARKS.md "Session 30".
     """
     mean_length = -(-total_tokens // num_seqs)
     split = min(sms // heads, mean_length // WIDE_SEGMENT_TOKENS)
+    if split < WIDE_SEGMENTS:
+        split = min(sms // heads, mean_length // SHORT_WIDE_SEGMENT_TOKENS)
+        if split * heads < SHORT_WIDE_PROGRAMS:
+            return None
     return split_length(total_tokens, num_seqs, split) if split >= WIDE_SEGMENTS else None
 
 

@@ -220,17 +220,17 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
                                            plan_offsets, reference.query_scale(scale, kdim), dtype)
     if prepared is not None:
         return operands(*prepared)
-    # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm.
+    # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm (kept).
     # With it, chunk_prep writes k's (it reads every key row anyway); like gamma's, the rows past
     # the last sequence (a token axis padded under capture) stay unwritten, and every pass
     # selects rows past a chunk's end away.
     layout = dict(zip(PREPARED_FIELDS, prepared_layout(total, hqk, hv, q.dtype)))
-    new = lambda field, fill=torch.empty: fill(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
+    new = lambda field: torch.empty(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
     if use_qk_l2norm_in_kernel:
         q_norm, k_norm = new("q_norm"), new("k_norm")
         compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
     else:
-        q_norm = k_norm = new("q_norm", torch.ones)
+        q_norm = k_norm = unit_norms(layout["q_norm"][0], device)
 
     gamma, a_values = new("gamma"), new("a_values")
     a_keys = new("a_keys") if store_keys else None
@@ -363,25 +363,29 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                      plan)
         chain = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
         ht, segments = chain.final, SegmentStates(plan, chain.entry, chain.transition)
-    zero_rows_past_last_sequence(o, ops.cu_seqlens)
     prepared = tuple(getattr(ops, name) for name in PREPARED_FIELDS) if keep_prepared else None
     return returned(o.view(batch, length, hv, vdim), ht if output_final_state else None,
                     ForwardKept(segments, prepared))
 
 
-def zero_rows_past_last_sequence(out: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    """Under CUDA-graph capture, zeros for the rows of ``out [T, ...]`` past ``cu_seqlens[-1]`` (int32).
+_UNIT_NORMS: dict[torch.device, list[torch.Tensor]] = {}  # per device, flat fp32 ones, the largest last
 
-    Outside capture the offsets were checked on the host to end at T; during capture
-    they were not, and a graph runtime may pad the token axis: no kernel writes those rows.
-    """
-    if not torch.cuda.is_current_stream_capturing():
-        return
-    from .kernels.compile import compile_program
-    from .kernels.zero_tail_rows import build_zero_tail_rows
 
-    rows = out.view(out.shape[0], -1)
-    compile_program(build_zero_tail_rows, rows.shape[1], KERNEL_DTYPES[out.dtype])(cu_seqlens, rows)
+def unit_norms(shape: tuple, device: torch.device) -> torch.Tensor:
+    """fp32 ones of ``shape`` (the inverse norms without the l2norm, read and never written), cut from a
+    buffer kept per device, so that a call launches no fill (1.4 us of a captured call at 32K tokens, H200
+    graph timeline, BENCHMARKS.md "Session 29").  The buffer grows geometrically outside capture, filled
+    and synchronised there once, before any stream reads it; the buffers it outgrows are kept, since a
+    graph captured earlier reads them.  Under capture a shape larger than the buffer gets a fresh tensor
+    (the graph's own memory, filled in the graph), as the eager call before a capture has grown it."""
+    need = shape[0] * shape[1]
+    kept = _UNIT_NORMS.setdefault(device, [])
+    if not kept or kept[-1].numel() < need:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.ones(shape, dtype=torch.float32, device=device)
+        kept.append(torch.ones(max(need, 2 * kept[-1].numel() if kept else 0), dtype=torch.float32, device=device))
+        torch.cuda.current_stream(device).synchronize()
+    return kept[-1][:need].view(shape)
 
 
 @functools.lru_cache(maxsize=None)

@@ -68,6 +68,7 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
                 if not in_kernel or (l2norm and not varlen)]
         # the layer's glue at inference (Qwen3.5's conv1d has no bias): the conv's step and the gated RMSNorm
         out += [(build_causal_conv_step, (conv_channels, 4, dtype, False, True)), (build_gated_rms_norm, (128, dtype))]
+        out.append((build_zero_tail_rows, (hv * 128, dtype)))  # a packed step's rows past its tokens, under capture
     if "forward" not in kernels and "backward" not in kernels:
         return out
     # the layer's conv over whole sequences (dense and packed) and its gated RMSNorm, and their backward; the
@@ -86,8 +87,7 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
     out += [(build_chunk_prep, (hqk, hv, 128, dtype, inverse, keys, l2norm, heads))
             for (inverse, keys), l2norm, heads in itertools.product(
                 preps, (True, False), sorted({1, most_heads_per_program(hqk, hv)}))]
-    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_zero_tail_rows, (hv * 128, dtype)),
-            (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
+    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
     # a state pass's trailing arguments, per width, for one pass over whole sequences or over segments, with or
     # without the output (the output's pass at whole heads is the transposed chain)
     variant = lambda b, segments=False, output=False: pass_variant(StatePassPlan(b, 2048 if segments else None),  # noqa: E731

@@ -7,7 +7,9 @@ one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm
 the forward under every state-pass plan (each value-block width, and context
 parallelism with its segment scan), and again on q and k normalised by the caller
 (l2norm off: the variants of ``chunk_prep`` that read the keys' norms instead of
-making them), then forward + backward through autograd
+making them), and that forward captured in a CUDA graph and replayed with offsets that
+end before the token axis does (the tables built on the device, the rows past the last
+sequence zeroed by the output pass), then forward + backward through autograd
 (the recompute, the scores and the reverse walk, the local gradient kernel), the
 backward with its walks at each width of their own (32 columns: the scores kernel), with
 the recompute at whole heads beside a 64-column reverse pass, and in segments of their
@@ -111,6 +113,34 @@ def check_layer_glue():
     assert max(errors) <= 2 * TOL, errors  # the module's roundings of ds and dn: twice the forward's
 
 
+def check_captured(x, plans, padding=50):
+    """The forward of ``x`` (q/k normalised: l2norm off) captured in a CUDA graph under each plan, then replayed
+    with offsets that end ``padding`` tokens before the token axis does (a graph runtime's padding): the tables
+    come from the device (``sequence_pieces``), and the output pass's last programs zero the rows past the
+    last sequence.  Checked against float64 on the inputs cut at the new end."""
+    cu = x["cu_seqlens"].clone()
+    x = dict(x, cu_seqlens=cu)
+    end = int(cu[-1]) - padding
+    cut = {n: t[:, :end] if n in ("q", "k", "v", "g", "beta") else t for n, t in x.items()}
+    cut["cu_seqlens"] = torch.cat([cu[:-1], cu.new_tensor([end])])
+    want = reference.chunked_gated_delta_rule(**float64(cut), output_final_state=True)
+    for plan in plans:
+        kw = dict(scale=None, output_final_state=True, plan=plan)
+        hopper_forward.chunk_forward(**x, **kw)  # compiles outside the capture
+        cu.copy_(x["cu_seqlens"])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o, s = hopper_forward.chunk_forward(**x, **kw)
+        cu.copy_(cut["cu_seqlens"])
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        errors = rel_rms(o[:, :end], want[0]), rel_rms(s, want[1])
+        print(f"forward {plan} replayed, offsets ending {padding} tokens early: relative RMS o {errors[0]:.2e}, "
+              f"state {errors[1]:.2e}", flush=True)
+        assert max(errors) <= TOL and not o[:, end:].any(), errors
+
+
 def backward_with_walks(plan, *args, recompute=None):
     """``hopper_backward.chunk_backward(*args)`` with the walks' own plan ``plan`` (the recompute's
     ``recompute``, default the same)."""
@@ -162,6 +192,7 @@ def main():
                 print(f"({hqk},{hv}) forward {plan}{'' if l2norm else ', q/k normalised'}: relative RMS o "
                       f"{errors[0]:.2e}, state {errors[1]:.2e}", flush=True)
                 assert max(errors) <= TOL, errors
+        check_captured(normalized, [hopper_forward.StatePassPlan(128, None), hopper_forward.StatePassPlan(32, 256)])
         if args.forward_only:
             continue
         names = DIFFERENTIABLE

@@ -316,24 +316,71 @@ def test_context_parallel_replays_in_a_cuda_graph(plan):
     assert all(torch.equal(c, e) for c, e in zip(captured, eager))
 
 
-def test_forward_replays_in_a_cuda_graph_with_padded_tokens():
+PADDED_PLANS = {"planned": None, "whole heads": (128, None), "narrow, segments": (32, 256),
+                "whole heads, segments": (128, 256)}
+
+
+@pytest.mark.parametrize("plan", PADDED_PLANS)
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_forward_replays_in_a_cuda_graph_with_padded_tokens(plan, l2norm):
     """Under capture nothing is read on the host: the tables come from the offsets on the device, rows past
-    the last sequence (a graph runtime's padding) come out as zeros, and new offsets written into the
-    captured tensor take effect at the next replay."""
+    the last sequence (a graph runtime's padding) come out as zeros (written by the output pass's last
+    programs, over whole sequences or segments), and new offsets written into the captured tensor take
+    effect at the next replay."""
+    from flash_qla_tl import hopper_forward
+
     x = _inputs(seqs=[300, 1, 129, 100], initial_state=True)
     cu = x["cu_seqlens"]
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    fq.chunk_gated_delta_rule(**x, **kw)  # compile outside the capture (eager calls check that offsets end at T)
+    kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
+              plan=PADDED_PLANS[plan] and hopper_forward.StatePassPlan(*PADDED_PLANS[plan]))
+    hopper_forward.chunk_forward(**x, **kw)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, s = fq.chunk_gated_delta_rule(**x, **kw)
+        o, s = hopper_forward.chunk_forward(**x, **kw)
     for offsets in ([0, 300, 301, 430, 430], [0, 64, 65, 400, 401]):
         cu.copy_(torch.tensor(offsets, dtype=torch.int32))
         o.fill_(math.nan)
         graph.replay()
         real = {n: t[:, : offsets[-1]] if n in ("q", "k", "v", "g", "beta") else t for n, t in x.items()}
         real = {n: t.double() if t.is_floating_point() else t for n, t in real.items()}
-        o_ref, s_ref = reference.chunked_gated_delta_rule(**real, **kw)
+        o_ref, s_ref = reference.chunked_gated_delta_rule(**real, scale=None, output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=l2norm)
         assert rel_rms(o[:, : offsets[-1]], o_ref) <= TOL and rel_rms(s, s_ref) <= TOL
         assert torch.equal(o[:, offsets[-1]:], torch.zeros_like(o[:, offsets[-1]:]))
+
+
+def test_unit_norms_a_captured_graph_reads_stay_when_the_buffer_grows(monkeypatch):
+    """Without the l2norm the norms are ones cut from a buffer kept per device (no fill a call).  A graph
+    captured while the buffer was small still replays right after a longer eager call has outgrown it (the
+    outgrown buffer is kept, so nothing else takes its memory); a capture longer than the buffer fills a
+    tensor of its own."""
+    from flash_qla_tl import hopper_forward
+
+    monkeypatch.setattr(hopper_forward, "_UNIT_NORMS", {})
+    short, longer, longest = (_inputs(seqs=seqs, initial_state=True) for seqs in ([100, 37], [900, 3], [2000, 64]))
+    run = lambda x: fq.chunk_gated_delta_rule(**x, output_final_state=True)  # noqa: E731
+    eager = {name: run(x) for name, x in (("short", short), ("longest", longest))}  # compiles; grows the buffer
+    device = short["q"].device
+    monkeypatch.setattr(hopper_forward, "_UNIT_NORMS", {})
+    run(short)  # the buffer as long as the short call's norms
+    torch.cuda.synchronize()
+    graphs, outputs = {}, {}
+    for name, x in (("short", short), ("longest", longest)):  # the second one longer than the buffer
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            outputs[name] = run(x)
+    assert len(hopper_forward._UNIT_NORMS[device]) == 1  # capture grew nothing
+    outgrown = hopper_forward._UNIT_NORMS[device][0].numel()
+    run(longer)
+    assert len(hopper_forward._UNIT_NORMS[device]) == 2
+    junk = [torch.full((outgrown,), math.nan, device=device) for _ in range(8)]  # would take freed memory
+    for name in graphs:
+        for t in outputs[name]:
+            t.fill_(math.nan)
+        graphs[name].replay()
+    torch.cuda.synchronize()
+    del junk
+    for name in graphs:
+        assert all(torch.equal(c, e) for c, e in zip(outputs[name], eager[name])), name
+

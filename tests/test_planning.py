@@ -167,8 +167,8 @@ def test_the_recompute_takes_whole_heads_where_they_overflow_a_wave(heads, seqs,
 @pytest.mark.parametrize("total, seqs, heads, reverse", [
     # 16 whole-head segments at 8 heads: 128 (segment, head) pairs; whole-head reverse programs fill one wave
     (32768, 1, 8, hopper_forward.StatePassPlan(128, 2048)),
-    # 4 segments of 32 columns at 8 heads: 32-column reverse programs fit in one wave
-    (8192, 1, 8, hopper_forward.StatePassPlan(32, 2048)),
+    # 8 segments of 32 columns at 4 heads: 32-column reverse programs fit in one wave
+    (8192, 1, 4, hopper_forward.StatePassPlan(32, 1024)),
 ])
 def test_walks_in_the_forwards_segments_are_planned(total, seqs, heads, reverse, monkeypatch):
     monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
@@ -195,8 +195,12 @@ def test_when_walks_take_the_forwards_segments(total, seqs, heads, taken, monkey
     (32768, 2, 8, hopper_forward.StatePassPlan(128, 2048)),  # 8 segments per sequence
     (32768, 1, 16, hopper_forward.StatePassPlan(128, 4096)),
     (32768, 2, 16, hopper_forward.StatePassPlan(32, None)),  # 4 wide segments lose to 32 columns
-    # whole-head segments would be shorter than 2048 tokens: 32 columns in 4 segments, as before
-    (8192, 1, 8, hopper_forward.StatePassPlan(32, 2048)),
+    # 2048 tokens would make 4 segments: 8 of 1024, where they make 64 whole-head programs or more ...
+    (8192, 1, 8, hopper_forward.StatePassPlan(128, 1024)),
+    (8192, 1, 16, hopper_forward.StatePassPlan(128, 1024)),
+    (16384, 2, 8, hopper_forward.StatePassPlan(128, 1024)),
+    # ... but not 32: narrow programs in segments of their own
+    (8192, 1, 4, hopper_forward.StatePassPlan(32, 1024)),
 ])
 def test_whole_head_segments_where_they_split_finely(total, seqs, heads, plan, monkeypatch):
     monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)

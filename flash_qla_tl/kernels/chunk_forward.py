@@ -192,6 +192,19 @@ def build_chunk_forward(
         if store_chunk_states:
             store_chain_tile(state_op, chunk_states[slot, hv, :, v0 : v0 + block_v])
 
+    @T.macro
+    def zero_rows_after_sequences(o, cu_seqlens, seq, hv, v0):
+        """The last sequence's programs write zeros to its value columns of ``o``'s rows past ``cu_seqlens[N]``:
+        rows no sequence covers, which a graph runtime may add by padding the token axis under capture (outside
+        capture the launchers check that the offsets end at T, and there are none)."""
+        if seq == num_seqs - 1:
+            end = T.alloc_var("int32")
+            end = cu_seqlens[num_seqs]
+            for c in T.serial(T.ceildiv(num_output_rows - end, C)):
+                for i, j in T.Parallel(C, block_v):
+                    if end + c * C + i < num_output_rows:
+                        o[end + c * C + i, hv, v0 + j] = T.cast(0, dtype)
+
     @T.prim_func
     def chunk_forward(
         q: T.Tensor([num_tokens, num_qk_heads, K], dtype),
@@ -345,6 +358,7 @@ def build_chunk_forward(
                                 if j < n:
                                     o[s + j, hv, v0 + i] = out_t[i, j]
                     T.tma_store_wait(0)
+                    zero_rows_after_sequences(o, cu_seqlens, seq, hv, v0)
                     if store_final_state:
                         for i, d in T.Parallel(block_v, K):
                             final_state[seq, hv, d, v0 + i] = state_t[i, d]
@@ -444,6 +458,8 @@ def build_chunk_forward(
 
                     if store_output or store_chunk_states:  # shared memory must outlive the last TMA store's reads
                         T.tma_store_wait(0)
+                    if store_output:
+                        zero_rows_after_sequences(o, cu_seqlens, seq, hv, v0)
                     if store_final_state:
                         T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
             elif tx < CHAIN_THREADS + PREP_THREADS:

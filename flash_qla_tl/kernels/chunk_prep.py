@@ -320,6 +320,8 @@ def build_chunk_prep(
         keys_row = T.alloc_local([8], dtype)
         values_row = T.alloc_local([8], dtype)
         inverse_row = T.alloc_local([8], dtype)
+        row_gamma = T.alloc_var(accum)  # log2 units
+        row_key = T.alloc_var(accum)  # A_keys' row factor -G_r = -exp2(gamma_r), once a row
         for e in T.unroll(8):
             col_beta[e] = beta_tile[h, j0 + e]
             if store_keys:
@@ -329,15 +331,15 @@ def build_chunk_prep(
             r = thread // 8 + 16 * i
             for e in T.vectorized(8):
                 x_row[e] = X[r, solve_slot(r, j0), e]
+            row_gamma = gamma_tile[h, r] * LOG2_E
+            if store_keys:
+                row_key = -T.exp2(row_gamma)
             for e in T.unroll(8):
-                if store_keys:  # the row factor -G_r = -exp2(gamma_r)
+                if store_keys:
                     below = (j0 + e) // B <= r // B
-                    keys_row[e] = T.cast(
-                        T.if_then_else(below, -T.exp2(gamma_tile[h, r] * LOG2_E) * x_row[e] * col_key[e], T.float32(0)),
-                        dtype)
+                    keys_row[e] = T.cast(T.if_then_else(below, row_key * x_row[e] * col_key[e], T.float32(0)), dtype)
                 values_row[e] = T.cast(
-                    T.if_then_else(j0 + e <= r,
-                                   x_row[e] * col_beta[e] * T.exp2(gamma_tile[h, r] * LOG2_E - col_gamma[e]),
+                    T.if_then_else(j0 + e <= r, x_row[e] * col_beta[e] * T.exp2(row_gamma - col_gamma[e]),
                                    T.float32(0)),
                     dtype,
                 )

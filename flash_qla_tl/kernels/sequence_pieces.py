@@ -8,10 +8,17 @@ Every sequence is cut into pieces of ``piece`` tokens (the last one shorter), in
 sequence order:
 
 1. a scan of the sequences' piece counts gives each sequence its first piece
-   (``first``) and its count (``count``), a tile of ``THREADS`` sequences at a time;
+   (``first``) and its count (``count``), a tile of ``THREADS`` sequences at a time:
+   within each warp by shuffles, then over the warps' totals (one barrier a tile);
 2. every row ``u`` finds its sequence, the last ``s`` with ``first[s] <= u`` (which
    skips empty sequences: they share their successor's ``first``), by bisection, and
-   writes its piece ``u - first[s]`` of that sequence.
+   writes its piece ``u - first[s]`` of that sequence.  The bisection reads ``first``
+   from shared memory where the sequences fit one tile, else from the output.
+
+The whole launch is a chain of dependent steps on one SM, so its time is their
+latency: the first form (a Hillis-Steele scan, 20 barriers of 1024 threads a tile,
+and a bisection through global memory) took 3.1-3.4 us of a captured forward call
+(H200 graph timelines, BENCHMARKS.md "Session 29").
 
 What a row holds is the layout:
 
@@ -26,7 +33,7 @@ What a row holds is the layout:
 # imported in the factory: the constants here serve launchers that run shipped programs without it.
 
 THREADS = 1024
-LOG_THREADS = 10
+WARPS = THREADS // 32  # 32: a warp's lanes scan the warps' totals
 CHUNK = 64
 SEARCH_STEPS = 32  # bisection steps: enough for any int32 sequence count
 CHUNK_ROWS, SEGMENT_STARTS = "chunk_rows", "segment_starts"
@@ -42,7 +49,7 @@ def build_sequence_pieces(layout: str):
     """
     import tilelang.language as T
 
-    assert 1 << LOG_THREADS == THREADS
+    assert WARPS == 32, "a warp scans the warps' totals"
     assert layout in ROW_WIDTH, layout
     num_seqs = T.dynamic("N")
     num_rows = T.dynamic("R")
@@ -55,27 +62,42 @@ def build_sequence_pieces(layout: str):
                         rows: T.Tensor([num_rows, ROW_WIDTH[layout]], "int32")):
         with T.Kernel(1, threads=THREADS) as _:
             tx = T.get_thread_binding()
-            scan = T.alloc_shared([THREADS], "int32")
+            lane, warp = tx % 32, tx // 32
+            warp_total = T.alloc_shared([WARPS], "int32")
+            first_kept = T.alloc_shared([THREADS], "int32")  # ``first`` of the first tile's sequences
             carry = T.alloc_var("int32")  # pieces of the earlier tiles' sequences (the same in every thread)
-            value = T.alloc_var("int32")
+            inclusive = T.alloc_var("int32")  # pieces of this warp's sequences up to this thread's
+            warps_inclusive = T.alloc_var("int32")  # pieces of the tile's warps up to warp ``lane``
             carry = 0
-            # An inclusive Hillis-Steele scan of the counts in shared memory, then the earlier tiles' total.
             for tile in T.serial(T.ceildiv(num_seqs, THREADS)):
                 s = tile * THREADS + tx
                 pieces = T.if_then_else(s < num_seqs, T.ceildiv(cu_seqlens[s + 1] - cu_seqlens[s], piece), 0)
-                scan[tx] = pieces
+                # Inclusive scans by shuffles (a macro cannot assign to a caller's variable): within the warp,
+                inclusive = pieces
+                for step in T.unroll(5):
+                    earlier = T.shfl_up(inclusive, 1 << step)
+                    if lane >= (1 << step):
+                        inclusive = inclusive + earlier
+                if lane == 31:
+                    warp_total[warp] = inclusive
                 T.sync_threads()
-                for step in T.unroll(LOG_THREADS):
-                    value = scan[tx] + T.if_then_else(tx >= (1 << step), scan[tx - (1 << step)], 0)
-                    T.sync_threads()
-                    scan[tx] = value
-                    T.sync_threads()
+                # then of the warps' totals (every warp alike)
+                warps_inclusive = warp_total[lane]
+                for step in T.unroll(5):
+                    earlier = T.shfl_up(warps_inclusive, 1 << step)
+                    if lane >= (1 << step):
+                        warps_inclusive = warps_inclusive + earlier
+                # the earlier warps' pieces are warp ``warp``'s inclusive total less its own
+                start_piece = carry + T.shfl_sync(warps_inclusive, warp) - warp_total[warp] + inclusive - pieces
                 if s < num_seqs:
-                    first[s] = carry + scan[tx] - pieces
+                    first[s] = start_piece
                     count[s] = pieces
-                carry = carry + scan[THREADS - 1]
-                T.sync_threads()  # every thread has read the tile's total before the next tile overwrites it
+                if tile == 0:
+                    first_kept[tx] = start_piece
+                carry = carry + T.shfl_sync(warps_inclusive, 31)
+                T.sync_threads()  # every warp has read warp_total (and first_kept is written) before what follows
 
+            first_piece = lambda seq: T.if_then_else(num_seqs <= THREADS, first_kept[seq], first[seq])  # noqa: E731
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
             for it in T.serial(T.ceildiv(num_rows, THREADS)):
@@ -86,11 +108,11 @@ def build_sequence_pieces(layout: str):
                         hi = num_seqs - 1
                         for bisection in T.serial(SEARCH_STEPS):
                             if lo < hi:
-                                if first[(lo + hi + 1) // 2] <= u:
+                                if first_piece((lo + hi + 1) // 2) <= u:
                                     lo = (lo + hi + 1) // 2
                                 else:
                                     hi = (lo + hi + 1) // 2 - 1
-                        start = cu_seqlens[lo] + (u - first[lo]) * piece
+                        start = cu_seqlens[lo] + (u - first_piece(lo)) * piece
                         if layout == CHUNK_ROWS:
                             rows[u, 0] = start
                             rows[u, 1] = T.min(start + piece, cu_seqlens[lo + 1])
