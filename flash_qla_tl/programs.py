@@ -87,7 +87,8 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
     out += [(build_chunk_prep, (hqk, hv, 128, dtype, inverse, keys, l2norm, heads))
             for (inverse, keys), l2norm, heads in itertools.product(
                 preps, (True, False), sorted({1, most_heads_per_program(hqk, hv)}))]
-    out += [(build_inverse_norms, (hqk, 128, dtype)), (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
+    out += [(build_inverse_norms, (hqk, 128, dtype)),
+            (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
     # a state pass's trailing arguments, per width, for one pass over whole sequences or over segments, with or
     # without the output (the output's pass at whole heads is the transposed chain)
     variant = lambda b, segments=False, output=False: pass_variant(StatePassPlan(b, 2048 if segments else None),  # noqa: E731
