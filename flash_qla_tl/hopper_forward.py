@@ -220,15 +220,17 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
                                            plan_offsets, reference.query_scale(scale, kdim), dtype)
     if prepared is not None:
         return operands(*prepared)
-    # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm (kept).
+    # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm (unit_norms).
     # With it, chunk_prep writes k's (it reads every key row anyway); like gamma's, the rows past
     # the last sequence (a token axis padded under capture) stay unwritten, and every pass
     # selects rows past a chunk's end away.
     layout = dict(zip(PREPARED_FIELDS, prepared_layout(total, hqk, hv, q.dtype)))
-    new = lambda field: torch.empty(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
+    new = lambda field, fill=torch.empty: fill(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
     if use_qk_l2norm_in_kernel:
         q_norm, k_norm = new("q_norm"), new("k_norm")
         compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
+    elif store_inverse:  # kept for a backward (saved by autograd, an output of the hub's op): ones of its own
+        q_norm = k_norm = new("q_norm", torch.ones)
     else:
         q_norm = k_norm = unit_norms(layout["q_norm"][0], device)
 
@@ -377,13 +379,16 @@ def unit_norms(shape: tuple, device: torch.device) -> torch.Tensor:
     graph timeline, BENCHMARKS.md "Session 29").  The buffer grows geometrically outside capture, filled
     and synchronised there once, before any stream reads it; the buffers it outgrows are kept, since a
     graph captured earlier reads them.  Under capture a shape larger than the buffer gets a fresh tensor
-    (the graph's own memory, filled in the graph), as the eager call before a capture has grown it."""
+    (the graph's own memory, filled in the graph), as the eager call before a capture has grown it.  Not for
+    tensors a call hands on (a training forward's kept ones are its own: :func:`prepare_chunks`)."""
     need = shape[0] * shape[1]
     kept = _UNIT_NORMS.setdefault(device, [])
     if not kept or kept[-1].numel() < need:
         if torch.cuda.is_current_stream_capturing():
             return torch.ones(shape, dtype=torch.float32, device=device)
-        kept.append(torch.ones(max(need, 2 * kept[-1].numel() if kept else 0), dtype=torch.float32, device=device))
+        with torch.inference_mode(False):  # a normal tensor, whatever mode the call that grows it runs in
+            kept.append(torch.ones(max(need, 2 * kept[-1].numel() if kept else 0), dtype=torch.float32,
+                                   device=device))
         torch.cuda.current_stream(device).synchronize()
     return kept[-1][:need].view(shape)
 

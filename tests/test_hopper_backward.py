@@ -331,3 +331,16 @@ def test_training_loop_matches_the_reference_path(monkeypatch):
     assert kernels[-1] < kernels[0]
     for a, b in zip(kernels, reference_curve):
         assert abs(a - b) <= 2e-2 * abs(b), (kernels, reference_curve)
+
+
+def test_a_training_step_after_inference_mode_grew_the_unit_norms(monkeypatch):
+    """Without the l2norm the forward cuts its norms from a buffer kept across calls
+    (``hopper_forward.unit_norms``).  Grown inside ``torch.inference_mode`` it is still a normal tensor, and a
+    training forward keeps ones of its own (autograd saves them; a view of a shared buffer must not be): a
+    training step after inference runs and matches float64."""
+    monkeypatch.setattr(hopper_forward, "_UNIT_NORMS", {})
+    x = _inputs(seqs=[100, 37, 260], initial_state=True)
+    with torch.inference_mode():
+        fq.chunk_gated_delta_rule(**x, output_final_state=True)
+    assert not any(t.is_inference() for t in hopper_forward._UNIT_NORMS[x["q"].device])
+    _check(x)
