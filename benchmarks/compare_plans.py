@@ -34,7 +34,7 @@ from bench_forward import make_problem, parse_heads, parse_lengths  # noqa: E402
 from timing import graph_ms, versions  # noqa: E402
 
 import flash_qla_tl as fq  # noqa: E402
-from flash_qla_tl import context_parallel, hopper_backward, hopper_forward  # noqa: E402
+from flash_qla_tl import context_parallel, hopper_backward, hopper_forward, planning  # noqa: E402
 
 
 def plans(total: int, num_seqs: int, hv: int, sms: int, widths, min_split: int, fill: int,
@@ -42,17 +42,21 @@ def plans(total: int, num_seqs: int, hv: int, sms: int, widths, min_split: int, 
     """Every plan worth timing for this shape, by name: each width alone, and with segments of every
     power-of-two split from ``min_split`` up to the most whose programs fit ``fill`` to an SM of ``sms``,
     of ``min_tokens`` or more each."""
-    out = {}
+    found = []
     mean_length = -(-total // num_seqs)
     for block_v in widths:
         programs = (hopper_forward.HEAD_DIM // block_v) * hv * num_seqs
-        out[f"{block_v}"] = hopper_forward.StatePassPlan(block_v, None)
+        found.append(hopper_forward.StatePassPlan(block_v, None))
         split = min_split
         while split * programs <= fill * sms and mean_length >= split * min_tokens:
-            seg = context_parallel.split_length(total, num_seqs, split)
-            out[f"{block_v}+cp{seg}"] = hopper_forward.StatePassPlan(block_v, seg)
+            found.append(hopper_forward.StatePassPlan(block_v, context_parallel.split_length(total, num_seqs, split)))
             split *= 2
-    return out
+    return {plan_label(plan): plan for plan in found}
+
+
+def plan_label(plan: hopper_forward.StatePassPlan) -> str:
+    """``128`` (width alone) or ``128+cp4096`` (and segments of that many tokens)."""
+    return f"{plan.block_v}" + ("" if plan.segment_tokens is None else f"+cp{plan.segment_tokens}")
 
 
 def main():
@@ -93,7 +97,10 @@ def main():
 
 def compare_forward(x, hv, seqs, candidates) -> list[str]:
     kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    chosen = hopper_forward.plan_state_pass(sum(seqs), len(seqs), hv, x["v"].device)
+    chosen = hopper_forward.plan_state_pass(sum(seqs), len(seqs), hv, x["v"].device,
+                                            offsets=planning.host_offsets(x["cu_seqlens"]))
+    if chosen not in candidates.values():  # the planner may pick a split the candidates' mean-length rule does not
+        candidates = {**candidates, plan_label(chosen): chosen}
     row = []
     for label, plan in candidates.items():
         ms = graph_ms(lambda: hopper_forward.chunk_forward(**x, **kw, plan=plan))

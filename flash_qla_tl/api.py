@@ -44,13 +44,13 @@ def chunk_forward_and_kept(q, k, v, g, beta, scale, initial_state, output_final_
     """:func:`chunk_gated_delta_rule_fwd` that also returns what its backward reuses:
     ``(o, final_state, kept)``, ``kept`` a ``hopper_forward.ForwardKept`` of a Hopper forward: the
     segments of a forward run in segments (context parallelism) where the backward's walks take them
-    (``hopper_backward.walks_take_forward_segments``), and with ``for_backward`` (a backward will
-    follow) chunk_prep's outputs; else None."""
+    (``hopper_backward.walks_take_forward_segments``) and chunk_prep's outputs, with ``for_backward`` (a
+    backward will follow); else None."""
     if forward_backend(q, k, v) == "hopper":
         o, final_state, kept = hopper_forward.chunk_forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            return_kept=True, keep_prepared=for_backward)
-        if kept.segments is not None and not _backward_takes_segments(q, v, cu_seqlens):
+            return_kept=True, for_backward=for_backward)
+        if kept.segments is not None and not (for_backward and _backward_takes_segments(q, v, cu_seqlens)):
             kept = hopper_forward.ForwardKept(None, kept.prepared)
         return o, final_state, kept
     return (*reference.chunked_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -75,11 +75,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht,
                                              use_qk_l2norm_in_kernel, cu_seqlens)
 
 
-def kept_segment_shapes(q, k, v, cu_seqlens=None) -> tuple[tuple, tuple] | None:
+def kept_segment_shapes(q, k, v, cu_seqlens, for_backward) -> tuple[tuple, tuple] | None:
     """The shapes ``(entry, transition)`` of the segments :func:`chunk_forward_and_kept` keeps for
     such inputs, or None where it keeps none; from shapes alone, no kernel runs (a custom op's fake
     implementation)."""
-    if forward_backend(q, k, v) != "hopper" or not _backward_takes_segments(q, v, cu_seqlens):
+    if not for_backward or forward_backend(q, k, v) != "hopper" or not _backward_takes_segments(q, v, cu_seqlens):
         return None
     total, num_seqs = _tokens_and_sequences(q, cu_seqlens)
     return hopper_forward.kept_segment_shapes(total, num_seqs, v.shape[2], k.shape[3], v.shape[3], q.device)

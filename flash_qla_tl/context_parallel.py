@@ -45,6 +45,13 @@ WIDE_SEGMENT_TOKENS = 2048
 # Shorter whole-head segments, where those of WIDE_SEGMENT_TOKENS are too few, but only where they make this
 # many programs: see wide_segment_length
 SHORT_WIDE_SEGMENT_TOKENS, SHORT_WIDE_PROGRAMS = 1024, 64
+# The cost model of longest_wide_segment_length, in us (H200): one pass over whole sequences of a width's
+# programs costs its longest chain's chunks at CHUNK_US[width] each and PASS_US; whole-head segments cost
+# three passes of a segment's chunks at SEGMENT_CHUNK_US and SEGMENT_PASS_US each (entry and exit states,
+# the scan).  Segments are taken where the model has them SEGMENTS_MARGIN as long or shorter.
+CHUNK_US, PASS_US = {32: 1.77, 64: 2.15, 128: 2.81}, 24.0
+SEGMENT_CHUNK_US, SEGMENT_PASS_US = 2.04, 38.0
+SEGMENTS_MARGIN = 0.9
 
 
 def num_sms(device: torch.device) -> int:
@@ -93,6 +100,33 @@ def wide_segment_length(total_tokens: int, num_seqs: int, heads: int, sms: int) 
         if split * heads < SHORT_WIDE_PROGRAMS:
             return None
     return split_length(total_tokens, num_seqs, split) if split >= WIDE_SEGMENTS else None
+
+
+@functools.lru_cache(maxsize=64)
+def longest_wide_segment_length(offsets: tuple[int, ...], num_v_heads: int, block_v: int, sms: int) -> int | None:
+    """Tokens per segment for whole-head programs along the longest sequence of ``offsets``, where they beat
+    one pass of ``block_v``-column programs over whole sequences (the plan shapes alone give, which sees the
+    mean length; with unequal lengths the longest sequence's chain sets the time); else None.  The segments
+    are the shortest (of ``MIN_SEGMENT_TOKENS`` or more) that let every sequence's programs fit on the SMs at
+    once; empty sequences take none.
+
+    The cost model (``CHUNK_US`` ...) fits these rows (H200, l2norm, BENCHMARKS.md "Session 31",
+    ``compare_plans.py``): at (4,16), whole heads in segments of 4096 tokens against 32 columns unsplit,
+    28672+4096 0.584 ms against 0.873, 24576+8192 0.585 against 0.759, 20480+12288 0.586 against 0.650,
+    but 16384+16384 0.587 against 0.539; at (16,16) 6144+1024+1024, segments of 1024: 0.233 against 0.214;
+    12288+2048x3, segments of 2496: 0.417 against 0.416.
+    """
+    lengths = [end - start for start, end in zip(offsets, offsets[1:]) if end > start]
+    if not lengths or num_v_heads * len(lengths) > sms:
+        return None
+    longest = max(lengths)
+    for split in range(min(sms // num_v_heads, longest // MIN_SEGMENT_TOKENS), 1, -1):
+        seg_len = -(-longest // (split * CHUNK)) * CHUNK
+        if num_v_heads * sum(-(-n // seg_len) for n in lengths) <= sms:
+            one_pass = -(-longest // CHUNK) * CHUNK_US[block_v] + PASS_US
+            segments = 3 * (seg_len // CHUNK * SEGMENT_CHUNK_US + SEGMENT_PASS_US)
+            return seg_len if segments <= SEGMENTS_MARGIN * one_pass else None
+    return None
 
 
 def segment_table(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int):

@@ -103,8 +103,9 @@ class StatePassPlan:
 
 
 def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch.device,
-                    sms: int | None = None, widest: int = 128, busy_heads: float | None = None) -> StatePassPlan:
-    """Pick the state pass's grid from shapes alone (no device values are read).
+                    sms: int | None = None, widest: int = 128, busy_heads: float | None = None,
+                    offsets: tuple[int, ...] | None = None) -> StatePassPlan:
+    """Pick the state pass's grid from shapes alone (no device values are read), and the offsets where given.
 
     A program's chunk-to-chunk time is a latency chain that grows little with
     more value columns, so the widest programs retire the most work per SM; but
@@ -119,7 +120,13 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
     BENCHMARKS.md.)  ``sms``: the SMs the pass has to itself (default all; the
     backward's two walks run side by side).  ``busy_heads``: the (sequence, value head)
     pairs whose programs the width is chosen to fit (default all of them; the backward's
-    walks count those busy on average while the longest sequence runs).
+    walks count those busy on average while the longest sequence runs, as do the forward's
+    where ``offsets`` are given).  ``offsets``: the sequences' offsets, where the host knows
+    them (:func:`forward_offsets`); where the rules above choose one pass over whole
+    sequences, whole heads in segments along the longest sequence may beat it
+    (``context_parallel.longest_wide_segment_length``).  Measured with unequal lengths (H200,
+    BENCHMARKS.md "Session 31"): at (16,16), 6144+1024+1024 took 0.214 ms at the 32 columns
+    that fit the pairs busy on average against 0.250 at the 64 that fit them all.
     """
     sms = sms or context_parallel.num_sms(device)
     heads = num_v_heads * num_seqs
@@ -127,9 +134,25 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
         wide = context_parallel.wide_segment_length(total_tokens, num_seqs, heads, sms)
         if wide is not None:
             return StatePassPlan(HEAD_DIM, wide)
+    longest = planning.longest_sequence(offsets) if offsets is not None else 0
+    if busy_heads is None and longest:
+        busy_heads = num_v_heads * (offsets[-1] - offsets[0]) / longest
     block_v = one_wave_width([b for b in BLOCK_WIDTHS if b <= widest], busy_heads or heads, sms)
     programs = (HEAD_DIM // block_v) * heads
-    return StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
+    plan = StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
+    if widest == HEAD_DIM and plan.segment_tokens is None and longest:
+        wide = context_parallel.longest_wide_segment_length(offsets, num_v_heads, block_v, sms)
+        if wide is not None:
+            return StatePassPlan(HEAD_DIM, wide)
+    return plan
+
+
+def forward_offsets(cu_seqlens: torch.Tensor | None, for_backward: bool) -> tuple[int, ...] | None:
+    """The offsets a forward plans from (:func:`plan_state_pass`): those the host knows
+    (``planning.known_offsets``), except for a forward a backward follows, which plans from shapes alone
+    (the segments it keeps must have the shapes the hub op's fake promises: :func:`kept_segment_shapes`);
+    None for dense batches, whose lengths are equal."""
+    return None if cu_seqlens is None or for_backward else planning.known_offsets(cu_seqlens)
 
 
 def value_correction(plan: StatePassPlan) -> str:
@@ -199,7 +222,7 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     """Steps 0 and 1 of the module docstring on non-empty validated inputs (``store_inverse``: keep A0 too;
     ``store_keys``: A_keys, which the backward and the state passes that form Kbar in prep read).
     ``prepared``: the tensors of ``PREPARED_FIELDS`` a forward of the same inputs made with both
-    (:func:`chunk_forward`'s ``keep_prepared``); then no kernel runs."""
+    (:func:`chunk_forward`'s ``for_backward``); then no kernel runs."""
     from .kernels.chunk_prep import build_chunk_prep
     from .kernels.compile import compile_program
     from .kernels.inverse_norms import build_inverse_norms
@@ -293,7 +316,7 @@ class SegmentStates:
 @dataclasses.dataclass(frozen=True)
 class ForwardKept:
     """What a forward hands its backward: the :class:`SegmentStates` of a pass run in segments where the
-    backward's walks take them (else None), and, where the forward was asked (``keep_prepared``: it runs
+    backward's walks take them (else None), and, where the forward was asked (``for_backward``: it runs
     for training), chunk_prep's outputs, the tensors of ``PREPARED_FIELDS`` (else None: the backward runs
     chunk_prep itself).  The backward then repeats no step of the forward but the state pass: chunk_prep
     was 7-10% of its time (H100 graph timelines, notes/backward-budget.md item 18), and FlashQLA's
@@ -329,13 +352,15 @@ def kept_segment_shapes(total_tokens: int, num_seqs: int, num_v_heads: int, head
 
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, plan: StatePassPlan | None = None,
-                  return_kept: bool = False, keep_prepared: bool = False):
+                  return_kept: bool = False, for_backward: bool = False):
     """The forward on Hopper; same contract as ``api.chunk_gated_delta_rule_fwd``.
 
     ``plan`` overrides :func:`plan_state_pass` (benchmarks compare plans with it).
     ``return_kept``: return ``(o, final_state, kept)``, ``kept`` a :class:`ForwardKept` with the
-    :class:`SegmentStates` of a pass run in segments (else None) and, with ``keep_prepared``,
+    :class:`SegmentStates` of a pass run in segments (else None) and, with ``for_backward``,
     chunk_prep's outputs as the backward's prep would make them (A0 and A_keys written too).
+    ``for_backward``: a backward follows, so the plan is the one shapes alone give
+    (:func:`forward_offsets`), and chunk_prep's outputs are kept.
     """
     batch, length, _, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -347,10 +372,10 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
               else torch.zeros(num_seqs, hv, kdim, vdim, dtype=torch.float32, device=v.device))
         return returned(o, ht if output_final_state else None)
     total = batch * length
-    plan = plan or plan_state_pass(total, num_seqs, hv, v.device)
+    plan = plan or plan_state_pass(total, num_seqs, hv, v.device, offsets=forward_offsets(cu_seqlens, for_backward))
     # what the backward's prepare_chunks would make, where it is to be kept: the same program, the same bits
-    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=keep_prepared,
-                         store_keys=keep_prepared or value_correction(plan) == "kbar_loaded")
+    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=for_backward,
+                         store_keys=for_backward or value_correction(plan) == "kbar_loaded")
     device = ops.v.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
@@ -365,7 +390,7 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                      plan)
         chain = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
         ht, segments = chain.final, SegmentStates(plan, chain.entry, chain.transition)
-    prepared = tuple(getattr(ops, name) for name in PREPARED_FIELDS) if keep_prepared else None
+    prepared = tuple(getattr(ops, name) for name in PREPARED_FIELDS) if for_backward else None
     return returned(o.view(batch, length, hv, vdim), ht if output_final_state else None,
                     ForwardKept(segments, prepared))
 

@@ -225,6 +225,32 @@ def _check_plan(x, plan):
     assert rel_rms(o, o_ref) < 5e-3 and rel_rms(s, s_ref) < 5e-3, (rel_rms(o, o_ref), rel_rms(s, s_ref))
 
 
+def test_an_inference_forward_plans_along_its_longest_sequence(monkeypatch):
+    """Unequal lengths that shapes alone would run in one pass over whole sequences: an inference forward
+    cuts the longest into whole-head segments (``context_parallel.longest_wide_segment_length``) and keeps
+    none of them; a forward a backward follows keeps the plan shapes give, which its backward's walks and
+    the hub op's fake expect."""
+    from flash_qla_tl import api, hopper_forward
+
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)  # the plans below, whatever the GPU
+    seqs = [12288, 1024]
+    x = _inputs(seqs=seqs, decay="normal", initial_state=True, hqk=4, hv=16)
+    offsets = planning.host_offsets(x["cu_seqlens"])
+    assert hopper_forward.plan_state_pass(sum(seqs), 2, 16, None) == hopper_forward.StatePassPlan(32, None)
+    assert hopper_forward.plan_state_pass(sum(seqs), 2, 16, None, offsets=offsets) == \
+        hopper_forward.StatePassPlan(128, 1792)
+    planned, state_pass = [], hopper_forward.state_pass
+    monkeypatch.setattr(hopper_forward, "state_pass",
+                        lambda *args, **kw: planned.append(args[6]) or state_pass(*args, **kw))
+    _check(x, l2norm=True)
+    assert set(planned) == {hopper_forward.StatePassPlan(128, 1792)}, planned
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [None, x["initial_state"], True, True, x["cu_seqlens"]]
+    for for_backward, plan in ((False, (128, 1792)), (True, (32, None))):
+        planned.clear()
+        _, _, kept = api.chunk_forward_and_kept(*args, for_backward=for_backward)
+        assert set(planned) == {hopper_forward.StatePassPlan(*plan)} and kept.segments is None
+
+
 def test_offsets_rewritten_in_place_are_planned_again():
     """Host-side planning caches per offsets tensor; an in-place write must not reuse the old plan."""
     x = _inputs(seqs=[100, 400, 12], initial_state=True)

@@ -207,6 +207,39 @@ def test_whole_head_segments_where_they_split_finely(total, seqs, heads, plan, m
     assert hopper_forward.plan_state_pass(total, seqs, heads, None) == plan
 
 
+@pytest.mark.parametrize("offsets, heads, plan", [
+    # shapes alone see two sequences of the mean length and choose 32 columns unsplit; along the longest
+    # sequence, whole-head segments of 4096 tokens fit the SMs with the other's and are faster
+    ((0, 24576, 32768), 16, hopper_forward.StatePassPlan(128, 4096)),
+    ((0, 20480, 32768), 16, hopper_forward.StatePassPlan(128, 4096)),
+    ((0, 16384, 32768), 16, hopper_forward.StatePassPlan(32, None)),  # four along each: one pass is faster
+    ((0, 24576, 32768), 32, hopper_forward.StatePassPlan(64, None)),  # at most four whole-head segments fit
+    # the width fits the pairs busy on average while the longest runs (21 here; shapes alone: 48 -> 64
+    # columns), and its one pass beats segments of 1024 tokens; an empty sequence changes nothing
+    ((0, 6144, 7168, 8192), 16, hopper_forward.StatePassPlan(32, None)),
+    ((0, 6144, 6144, 7168, 8192), 16, hopper_forward.StatePassPlan(32, None)),
+    ((0, 24576, 32768), 48, hopper_forward.StatePassPlan(64, None)),  # 64 busy: shapes alone take 128
+    # nine sequences' whole-head programs overflow the SMs: no segments; the width fits the 16 busy pairs
+    ((0, 30720, 30784, 30848, 30912, 30976, 31040, 31104, 31168, 31232), 16, hopper_forward.StatePassPlan(32, None)),
+    ((0, 32768), 16, hopper_forward.StatePassPlan(128, 4096)),  # shapes alone split already: their plan
+    ((0, 32768), 32, hopper_forward.StatePassPlan(32, None)),  # four segments of 8192: within the margin
+])
+def test_whole_head_segments_along_the_longest_sequence(offsets, heads, plan, monkeypatch):
+    monkeypatch.setattr(context_parallel, "num_sms", lambda device: 132)
+    total, seqs = offsets[-1], len(offsets) - 1
+    assert hopper_forward.plan_state_pass(total, seqs, heads, None, offsets=offsets) == plan
+    # the backward's walks (at most 64 columns) never take this rule
+    assert hopper_forward.plan_state_pass(total, seqs, heads, None, 66, 64, offsets=offsets).block_v <= 64
+
+
+def test_a_forward_a_backward_follows_plans_from_shapes_alone():
+    """Its segments are kept for the backward, and the hub op's fake gives their shapes from shapes alone."""
+    cu = torch.tensor([0, 24576, 32768], dtype=torch.int32)
+    assert hopper_forward.forward_offsets(cu, for_backward=False) == (0, 24576, 32768)
+    assert hopper_forward.forward_offsets(cu, for_backward=True) is None
+    assert hopper_forward.forward_offsets(None, for_backward=False) is None
+
+
 @pytest.mark.parametrize("seqs, heads, block_v", [
     (1, 8, 16),  # 64 programs of 16 columns fit the SMs at once
     (1, 32, 32),  # 128 programs of 32 (256 of 16 would queue)

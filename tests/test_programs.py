@@ -23,8 +23,9 @@ from flash_qla_tl.programs import KINDS, QWEN_HEAD_CONFIGS, SHIPPED_SMS, head_co
 SMS = SHIPPED_SMS[0]
 HEADS = [*QWEN_HEAD_CONFIGS, (1, 2)]  # every shipped head config, and one more (a config is not special-cased)
 # (tokens per sequence): one short and one long sequence, a few long ones, many short ones, lengths not a
-# multiple of 64: together they reach every state-pass width, segments, and the walks' own and the forward's
-LENGTHS = [[100], [32768], [8192] * 4, [300] * 40, [16834, 15934]]
+# multiple of 64, unequal long ones (an inference forward cuts the longest into whole-head segments where its
+# chain is long): together they reach every state-pass width, segments, and the walks' own and the forward's
+LENGTHS = [[100], [32768], [8192] * 4, [300] * 40, [16834, 15934], [24576, 8192]]
 
 
 class FakeStream:
@@ -74,7 +75,7 @@ def run_forward_and_backward(hqk, hv):
         q, k, v, g, beta, cu_seqlens = inputs(hqk, hv, lengths)
         h0 = torch.zeros(len(lengths), hv, 128, 128) if has_h0 else None
         o, ht, kept = hopper_forward.chunk_forward(q, k, v, g, beta, None, h0, store_ht, l2norm, cu_seqlens,
-                                                   return_kept=True, keep_prepared=for_backward)
+                                                   return_kept=True, for_backward=for_backward)
         segments = kept.segments if hopper_backward.walks_take_forward_segments(
             sum(lengths), len(lengths), hv, q.device) else None
         dht = torch.zeros(len(lengths), hv, 128, 128) if store_ht else None
@@ -175,13 +176,13 @@ def test_decode_with_unshipped_gate_dtypes_takes_a_listed_program(requests, monk
 
 @pytest.mark.parametrize("l2norm", [True, False])
 def test_a_training_forward_hands_its_backward_the_backwards_own_prep(requests, l2norm):
-    """With ``keep_prepared`` the forward runs the program the backward's prep would (so the kept tensors are
+    """With ``for_backward`` the forward runs the program the backward's prep would (so the kept tensors are
     what the backward would make, bit for bit), and a backward handed them runs neither chunk_prep nor the
     norms; without it the backward runs that same program itself."""
     q, k, v, g, beta, cu_seqlens = inputs(2, 8, [300, 100])
     preps = lambda: [key for key in requests if key.startswith(("build_chunk_prep", "build_inverse_norms"))]  # noqa: E731
     o, _, kept = hopper_forward.chunk_forward(q, k, v, g, beta, None, None, False, l2norm, cu_seqlens,
-                                              return_kept=True, keep_prepared=True)
+                                              return_kept=True, for_backward=True)
     assert [(tuple(t.shape), t.dtype) for t in kept.prepared] == hopper_forward.prepared_layout(400, 2, 8, q.dtype)
     kept_preps = preps()
     requests.clear()

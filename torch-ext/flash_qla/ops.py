@@ -67,7 +67,7 @@ def _distinct(tensors) -> list[Tensor]:
 
 def _chunk_kept_shapes(q, k, v, cu_seqlens, for_backward):
     prepared = kept_prepared_shapes(q, k, v, cu_seqlens) if for_backward else None
-    return kept_segment_shapes(q, k, v, cu_seqlens), prepared
+    return kept_segment_shapes(q, k, v, cu_seqlens, for_backward), prepared
 
 
 def _register(name: str, forward: Callable, kept_shapes: Callable) -> Callable:
