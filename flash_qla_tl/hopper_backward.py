@@ -88,7 +88,7 @@ def plan_walks(total_tokens: int, num_seqs: int, num_v_heads: int, device: torch
     within 1%.
     """
     half = context_parallel.num_sms(device) // 2
-    busy = num_v_heads * (total_tokens / longest if longest else num_seqs)
+    busy = hopper_forward.busy_pairs(num_v_heads, total_tokens, num_seqs, longest)
     plan = hopper_forward.plan_state_pass(total_tokens, num_seqs, num_v_heads, device, half, widest=WALK_WIDEST,
                                           busy_heads=busy)
     return throughput_bound(plan, busy, device)

@@ -135,9 +135,9 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
         if wide is not None:
             return StatePassPlan(HEAD_DIM, wide)
     longest = planning.longest_sequence(offsets) if offsets is not None else 0
-    if busy_heads is None and longest:
-        busy_heads = num_v_heads * (offsets[-1] - offsets[0]) / longest
-    block_v = one_wave_width([b for b in BLOCK_WIDTHS if b <= widest], busy_heads or heads, sms)
+    if busy_heads is None:
+        busy_heads = busy_pairs(num_v_heads, offsets[-1] if longest else total_tokens, num_seqs, longest)
+    block_v = one_wave_width([b for b in BLOCK_WIDTHS if b <= widest], busy_heads, sms)
     programs = (HEAD_DIM // block_v) * heads
     plan = StatePassPlan(block_v, context_parallel.segment_length(total_tokens, num_seqs, programs, sms))
     if widest == HEAD_DIM and plan.segment_tokens is None and longest:
@@ -145,6 +145,12 @@ def plan_state_pass(total_tokens: int, num_seqs: int, num_v_heads: int, device: 
         if wide is not None:
             return StatePassPlan(HEAD_DIM, wide)
     return plan
+
+
+def busy_pairs(num_v_heads: int, tokens: int, num_seqs: int, longest: int | None) -> float:
+    """The (sequence, value head) pairs busy on average while the longest sequence (``longest`` tokens of
+    ``tokens``) runs, ``num_v_heads x tokens / longest``; all of them where the longest is not known."""
+    return num_v_heads * (tokens / longest if longest else num_seqs)
 
 
 def forward_offsets(cu_seqlens: torch.Tensor | None, for_backward: bool) -> tuple[int, ...] | None:
