@@ -105,27 +105,9 @@ def recurrent_forward(q, k, v, g, beta, scale, initial_state, output_final_state
         no_params if A_log is None else A_log, no_params if dt_bias is None else dt_bias,
         offsets, num_seqs, length, no_state if h0 is None else h0,
         reference.query_scale(scale, kdim), o, final_state if store_final else no_state)
-    if cu_seqlens is not None:
-        zero_rows_past_last_sequence(o, offsets)
     return o.view(v.shape), (final_state if store_final else None)
 
 
 def _gate_rows(x: torch.Tensor, tokens: int, heads: int) -> torch.Tensor:
     x = x.reshape(tokens, heads).contiguous()
     return x if x.dtype in OPERAND_DTYPES else x.float()
-
-
-def zero_rows_past_last_sequence(out: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    """Under CUDA-graph capture, zeros for the rows of ``out [T, ...]`` past ``cu_seqlens[-1]`` (int32).
-
-    Outside capture the offsets were checked on the host to end at T; during capture
-    they were not, and a graph runtime may pad the token axis: the step writes no such row.  (The chunked
-    forward's output pass zeroes them itself: chunk_forward.)
-    """
-    if not torch.cuda.is_current_stream_capturing():
-        return
-    from .kernels.compile import compile_program
-    from .kernels.zero_tail_rows import build_zero_tail_rows
-
-    rows = out.view(out.shape[0], -1)
-    compile_program(build_zero_tail_rows, rows.shape[1], KERNEL_DTYPES[out.dtype])(cu_seqlens, rows)

@@ -25,7 +25,6 @@ from .kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
 from .kernels.reverse_state_pass import build_reverse_state_pass
 from .kernels.segment_scan import build_segment_scan
 from .kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
-from .kernels.zero_tail_rows import build_zero_tail_rows
 
 KINDS = ("forward", "backward", "decode")
 # The persistent local-gradient programs run one program per SM, a compile-time count: a build ships them
@@ -68,7 +67,6 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
                 if not in_kernel or (l2norm and not varlen)]
         # the layer's glue at inference (Qwen3.5's conv1d has no bias): the conv's step and the gated RMSNorm
         out += [(build_causal_conv_step, (conv_channels, 4, dtype, False, True)), (build_gated_rms_norm, (128, dtype))]
-        out.append((build_zero_tail_rows, (hv * 128, dtype)))  # a packed step's rows past its tokens, under capture
     if "forward" not in kernels and "backward" not in kernels:
         return out
     # the layer's conv over whole sequences (dense and packed) and its gated RMSNorm, and their backward; the

@@ -16,7 +16,8 @@ the recompute at whole heads beside a 64-column reverse pass, and in segments of
 own, and the backward in the segments of forwards that kept them (narrow and
 whole-head); then
 the decoding kernel at each value-block width on lengths 1, 0, 16, 3, 0, 7,
-its state once in a new tensor and once updated in place; and the layer's
+its state once in a new tensor and once updated in place, and captured and replayed on
+offsets that end 3 tokens early (the rows past the last sequence zeroed by its last programs); and the layer's
 conv over packed sequences (lengths 1, 0, 70, 3, 300, 2: two programs' rows) with its backward, its
 conv step and gated RMSNorm with its backward (``hopper_layer.py``).  The
 outputs and the gradients are checked against the float64 reference, so a sanitizer run that
@@ -24,6 +25,7 @@ disturbs the kernels' timing also shows whether the results moved.
 """
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -64,6 +66,11 @@ def check_decode(hqk, hv):
             print(f"({hqk},{hv}) decode block_v {block_v}{' in place' if in_place else ''}: "
                   f"relative RMS o {errors[0]:.2e}, state {errors[1]:.2e}", flush=True)
             assert max(errors) <= TOL, errors
+    check_captured(x, {
+        f"({hqk},{hv}) decode block_v {block_v}": lambda inputs, block_v=block_v: hopper_recurrent.recurrent_forward(
+            **inputs, scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True, block_v=block_v)
+        for block_v in DECODE_WIDTHS},
+        functools.partial(reference.recurrent_gated_delta_rule, use_qk_l2norm_in_kernel=True), padding=3)
 
 
 def check_conv_prefill():
@@ -113,30 +120,30 @@ def check_layer_glue():
     assert max(errors) <= 2 * TOL, errors  # the module's roundings of ds and dn: twice the forward's
 
 
-def check_captured(x, plans, padding=50):
-    """The forward of ``x`` (q/k normalised: l2norm off) captured in a CUDA graph under each plan, then replayed
-    with offsets that end ``padding`` tokens before the token axis does (a graph runtime's padding): the tables
-    come from the device (``sequence_pieces``), and the output pass's last programs zero the rows past the
-    last sequence.  Checked against float64 on the inputs cut at the new end."""
+def check_captured(x, runs, reference_fn, padding):
+    """Each of ``runs`` (name: a call on inputs like ``x``) captured in a CUDA graph, then replayed with offsets
+    that end ``padding`` tokens before the token axis does (a graph runtime's padding): nothing is checked on
+    the host then, and the kernels must write zeros to the rows past the last sequence (the forward's output
+    pass and the decoding step, each in its last sequence's programs; the forward's tables come from the device,
+    ``sequence_pieces``).  Checked against ``reference_fn`` in float64 on the inputs cut at the new end."""
     cu = x["cu_seqlens"].clone()
     x = dict(x, cu_seqlens=cu)
     end = int(cu[-1]) - padding
     cut = {n: t[:, :end] if n in ("q", "k", "v", "g", "beta") else t for n, t in x.items()}
     cut["cu_seqlens"] = torch.cat([cu[:-1], cu.new_tensor([end])])
-    want = reference.chunked_gated_delta_rule(**float64(cut), output_final_state=True)
-    for plan in plans:
-        kw = dict(scale=None, output_final_state=True, plan=plan)
-        hopper_forward.chunk_forward(**x, **kw)  # compiles outside the capture
+    want = reference_fn(**float64(cut), output_final_state=True)
+    for name, run in runs.items():
+        run(x)  # compiles outside the capture
         cu.copy_(x["cu_seqlens"])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            o, s = hopper_forward.chunk_forward(**x, **kw)
+            o, s = run(x)
         cu.copy_(cut["cu_seqlens"])
         o.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         errors = rel_rms(o[:, :end], want[0]), rel_rms(s, want[1])
-        print(f"forward {plan} replayed, offsets ending {padding} tokens early: relative RMS o {errors[0]:.2e}, "
+        print(f"{name} replayed, offsets ending {padding} tokens early: relative RMS o {errors[0]:.2e}, "
               f"state {errors[1]:.2e}", flush=True)
         assert max(errors) <= TOL and not o[:, end:].any(), errors
 
@@ -192,7 +199,11 @@ def main():
                 print(f"({hqk},{hv}) forward {plan}{'' if l2norm else ', q/k normalised'}: relative RMS o "
                       f"{errors[0]:.2e}, state {errors[1]:.2e}", flush=True)
                 assert max(errors) <= TOL, errors
-        check_captured(normalized, [hopper_forward.StatePassPlan(128, None), hopper_forward.StatePassPlan(32, 256)])
+        check_captured(normalized, {
+            f"forward {plan}": lambda inputs, plan=plan: hopper_forward.chunk_forward(
+                **inputs, scale=None, output_final_state=True, plan=plan)
+            for plan in (hopper_forward.StatePassPlan(128, None), hopper_forward.StatePassPlan(32, 256))},
+            reference.chunked_gated_delta_rule, padding=50)
         if args.forward_only:
             continue
         names = DIFFERENTIABLE

@@ -27,7 +27,6 @@ from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass
 from flash_qla_tl.kernels.segment_scan import build_segment_scan
-from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows
 
 
 SMEM_PER_BLOCK = 227 * 1024  # sm_90's largest opt-in dynamic shared memory per block
@@ -49,11 +48,6 @@ def shared_buffers(source: str) -> dict[str, int]:
 def test_sequence_pieces_compiles(layout):
     source = compile_program(build_sequence_pieces, layout).get_kernel_source()
     assert "__launch_bounds__(1024, 1)" in source  # one program: the scan carries from tile to tile
-
-
-def test_zero_tail_rows_compiles():
-    source = compile_program(build_zero_tail_rows, 6 * 128, "bfloat16").get_kernel_source()
-    assert "uint4" in source  # whole rows in 16-byte stores
 
 
 @pytest.mark.parametrize("config", [

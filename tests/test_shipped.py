@@ -1,7 +1,7 @@
 """Shipped programs: exported here, then loaded and launched without TileLang (CPU; a stand-in CUDA driver).
 
 ``scripts/export_programs.py`` turns compiled TileLang programs into libraries that need
-only apache-tvm-ffi and the CUDA driver.  Here three small programs are exported (one
+only apache-tvm-ffi and the CUDA driver.  Here two programs are exported (one
 with TMA descriptors and dynamic shared memory), and a fresh process that cannot import
 TileLang loads them through ``compile_program`` and calls them on tensors that say they
 live on a CUDA device.  ``tests/stub_libcuda.c`` stands in for libcuda.so.1 and logs
@@ -32,13 +32,11 @@ from flash_qla_tl.kernels.compile import pass_configs_of  # noqa: E402
 from flash_qla_tl.kernels.chunk_forward import build_chunk_forward  # noqa: E402
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms  # noqa: E402
 from flash_qla_tl.kernels.shipped import INDEX_NAME  # noqa: E402
-from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows  # noqa: E402
 from flash_qla_tl.programs import SHIPPED_SMS  # noqa: E402
 
 # one head, two value heads, both states, 32-column programs
 FORWARD = (1, 2, 128, 128, "bfloat16", True, True, 32, False, True, True, "in_chain")
-PROGRAMS = [(build_zero_tail_rows, (256, "bfloat16")), (build_inverse_norms, (2, 128, "bfloat16")),
-            (build_chunk_forward, FORWARD)]
+PROGRAMS = [(build_inverse_norms, (2, 128, "bfloat16")), (build_chunk_forward, FORWARD)]
 
 # Runs in a process where TileLang cannot be imported; prints the driver's log after each call.
 CALLS = f"FORWARD = {FORWARD!r}\n" + textwrap.dedent('''
@@ -48,7 +46,6 @@ CALLS = f"FORWARD = {FORWARD!r}\n" + textwrap.dedent('''
     from flash_qla_tl.kernels import compile as c
     from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
     from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
-    from flash_qla_tl.kernels.zero_tail_rows import build_zero_tail_rows
 
     driver = ctypes.CDLL("libcuda.so.1")
     driver.stub_log.restype = ctypes.c_char_p
@@ -73,13 +70,11 @@ CALLS = f"FORWARD = {FORWARD!r}\n" + textwrap.dedent('''
                           "pointers": [hex(t.data_ptr()) for t in tensors if isinstance(t, torch.Tensor)]}))
 
     assert not c.tilelang_importable()
-    zero = c.compile_program(build_zero_tail_rows, 256, "bfloat16")
-    cu_seqlens, rows = torch.tensor([0, 3, 70], dtype=torch.int32), torch.ones(130, 256, dtype=torch.bfloat16)
-    call("zero_tail_rows", zero, 4, cu_seqlens, rows)
-    call("zero_tail_rows again", zero, 4, cu_seqlens, rows)
-    call("wrong dtype", zero, 4, cu_seqlens, torch.ones(130, 256))
     norms = c.compile_program(build_inverse_norms, 2, 128, "bfloat16")
-    call("inverse_norms", norms, 3, torch.ones(100, 2, 128, dtype=torch.bfloat16), torch.empty(100, 4))
+    rows, out = torch.ones(130, 2, 128, dtype=torch.bfloat16), torch.empty(130, 4)
+    call("inverse_norms", norms, 3, rows, out)
+    call("inverse_norms again", norms, 3, rows, out)
+    call("wrong dtype", norms, 3, torch.ones(130, 2, 128), out)
     forward = c.compile_program(build_chunk_forward, *FORWARD)
     t, bf16 = 100, torch.bfloat16  # one sequence of 100 tokens: two chunks
     q, k, v = torch.ones(t, 1, 128, dtype=bf16), torch.ones(t, 1, 128, dtype=bf16), torch.ones(t, 2, 128, dtype=bf16)
@@ -90,7 +85,7 @@ CALLS = f"FORWARD = {FORWARD!r}\n" + textwrap.dedent('''
     call("chunk_forward", forward, 14, q, k, norms, norms.clone(), v, gamma, a_keys, a_values, cu_seqlens, state,
          0.5, out, state.clone(), chunk_states)
     try:
-        c.compile_program(build_zero_tail_rows, 512, "bfloat16")
+        c.compile_program(build_inverse_norms, 4, 128, "bfloat16")
         print(json.dumps({"call": "not shipped", "outcome": "ok"}))
     except c.KernelsUnavailable as e:
         print(json.dumps({"call": "not shipped", "outcome": f"KernelsUnavailable: {e}"}))
@@ -140,19 +135,20 @@ def test_libraries_need_only_tvm_ffi_and_the_driver(shipped):
 
 
 def test_launch_without_tilelang(calls):
-    first = calls["zero_tail_rows"]
+    first = calls["inverse_norms"]
     assert first["outcome"] == "ok"
     log = first["log"].splitlines()
     assert log[0] == "cuInit 0" and "cuDevicePrimaryCtxRetain 0" in log and "cuModuleLoadData elf=1" in log
-    assert "cuModuleGetFunction zero_tail_rows_kernel" in log
+    assert "cuModuleGetFunction inverse_norms_kernel" in log
     launch = [line for line in log if line.startswith("cuLaunchKernel")]
     assert len(launch) == 1
-    # 130 rows in blocks of 64 rows, 128 threads, no shared memory, the default stream (no torch stream given)
-    assert "grid=3,1,1 block=128,1,1 shared=0 stream=(nil)" in launch[0]
-    cu_seqlens, rows = (int(p, 16) for p in first["pointers"])
-    assert params(launch[0]) == [cu_seqlens & 0xFFFFFFFF, rows & 0xFFFFFFFF, 2, 130]  # pointers, N, T
+    # 130 rows in blocks of 64 rows x 2 heads, 128 threads, no dynamic shared memory, the default stream (no
+    # torch stream given)
+    assert "grid=3,2,1 block=128,1,1 shared=0 stream=(nil)" in launch[0]
+    rows, out = (int(p, 16) for p in first["pointers"])
+    assert params(launch[0]) == [out & 0xFFFFFFFF, rows & 0xFFFFFFFF, 130]  # the CUDA kernel's order: r, x, T
     # the module and function are loaded once per device
-    again = calls["zero_tail_rows again"]["log"]
+    again = calls["inverse_norms again"]["log"]
     assert "cuModuleLoadData" not in again and "cuModuleGetFunction" not in again and again.count("cuLaunch") == 1
 
 
@@ -182,7 +178,6 @@ def test_tma_descriptors_and_dynamic_shared_memory(calls):
 
 
 def test_missing_program_and_no_tilelang(calls):
-    assert calls["inverse_norms"]["outcome"] == "ok"
     assert calls["not shipped"]["outcome"].startswith("KernelsUnavailable")
     assert calls["tilelang imported"]["outcome"] == "False"
 

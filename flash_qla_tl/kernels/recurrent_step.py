@@ -67,7 +67,8 @@ def build_recurrent_step(config: RecurrentStepConfig):
 
     q, k ``[T, Hqk, K]`` and v ``[T, Hv, V]`` (any token stride), g and beta
     ``[T, Hv]`` in their own dtypes; sequences by ``cu_seqlens``, or for a dense
-    batch ``seq_len`` tokens each.
+    batch ``seq_len`` tokens each.  With ``cu_seqlens``, ``o``'s rows from
+    ``cu_seqlens[N]`` to ``T`` come out as zeros.
     """
     import tilelang.language as T
 
@@ -190,5 +191,13 @@ def build_recurrent_step(config: RecurrentStepConfig):
 
             if c.store_final_state:
                 T.copy(state, final_state[seq, hv, :, v0 : v0 + block_v])
+            if c.varlen:
+                if seq == num_seqs - 1:
+                    # Rows past the last sequence: none outside CUDA-graph capture (the launcher checks that
+                    # the offsets end at T), but a graph runtime may pad the token axis; no program walks
+                    # them, so the last sequence's programs write their zeros.
+                    for t in T.serial(eos, num_tokens):
+                        for j in T.Parallel(block_v):
+                            o[t, hv, v0 + j] = T.cast(0, dtype)
 
     return recurrent_step

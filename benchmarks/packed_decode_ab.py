@@ -1,0 +1,46 @@
+"""A packed decode step (B sequences of one token, ``cu_seqlens``) under CUDA graphs: another revision's package
+(``before``) against this tree's (``now``), in one process on the same inputs, l2norm in kernel.
+
+    mkdir -p .ab/pre && git archive <revision> flash_qla_tl | tar -x -C .ab/pre
+    python benchmarks/packed_decode_ab.py .ab/pre/flash_qla_tl
+
+Session 32 compared de60f2b (the step followed by a ``zero_tail_rows`` launch under capture) with the step whose
+last sequence's programs zero the rows past it (BENCHMARKS.md "Session 32" item 3).  Each side's time is the
+faster of two graphs (``timing.graph_ms``, 20 calls a graph); the outputs of both sides are compared bitwise.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+root = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(root / "benchmarks"))
+sys.path.insert(0, str(root))
+from bench_forward import load_candidate  # noqa: E402
+from timing import graph_ms, versions  # noqa: E402
+
+import flash_qla_tl  # noqa: E402
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("before", type=Path, help="the other revision's flash_qla_tl directory")
+pre = load_candidate(p.parse_args().before.resolve(), "pre")
+libs = {"before": pre.fused_recurrent_gated_delta_rule, "now": flash_qla_tl.fused_recurrent_gated_delta_rule}
+print(torch.cuda.get_device_name(), versions())
+for hqk, hv in ((16, 32), (2, 8)):
+    for batch in (1, 8, 32, 128):
+        q, k = (torch.randn(1, batch, hqk, 128, device="cuda").bfloat16() for _ in range(2))
+        v = torch.randn(1, batch, hv, 128, device="cuda").bfloat16()
+        g = torch.nn.functional.logsigmoid(torch.randn(1, batch, hv, device="cuda")) / 16
+        beta = torch.sigmoid(torch.randn(1, batch, hv, device="cuda")).bfloat16()
+        h0 = torch.randn(batch, hv, 128, 128, device="cuda")
+        cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        outs, times = {}, {}
+        for name, fn in list(libs.items()) * 2:
+            call = lambda fn=fn: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                    use_qk_l2norm_in_kernel=True)
+            outs[name] = call()
+            times.setdefault(name, []).append(graph_ms(call, calls=20) * 1000)
+        same = all(torch.equal(a, b) for a, b in zip(outs["before"], outs["now"]))
+        print(f"({hqk},{hv}) B={batch}: before {min(times['before']):.2f} us, now {min(times['now']):.2f} us "
+              f"(each the faster of two graphs), outputs bitwise equal: {same}", flush=True)
