@@ -2,6 +2,8 @@
 
     python scripts/emulate_roundings.py            # no decay, 12 000 tokens (the hardest GPU test)
     python scripts/emulate_roundings.py --decay strong --form residual
+    python scripts/emulate_roundings.py --solves   # the chunk inverse's off-diagonal products in TF32, fp16, bf16
+    python scripts/emulate_roundings.py --solves --key-norm 1.5      # keys of norm 1.5, no l2norm
 
 Runs the forward's chunk algorithm in float64, rounding to bf16 exactly where the
 kernels hand an operand to the tensor cores (``A_keys`` / ``A_values``, ``S``,
@@ -10,7 +12,10 @@ kernels hand an operand to the tensor cores (``A_keys`` / ``A_values``, ``S``,
 final state's relative RMS error against the float64 reference with each
 rounding switched off in turn.  Two ways to normalise q and k are compared:
 rounded to bf16 in memory (the first form of the kernels) or raw bf16 rows with
-fp32 inverse norms (what ``inverse_norms`` does now).
+fp32 inverse norms (what ``inverse_norms`` does now).  ``--solves``: the chunk
+inverse's blocks below the diagonal from products whose operands are read in one
+TF32 term, fp16 or bf16 instead of ``chunk_prep``'s three-term TF32 split
+(``notes/fused-forward-plan.md`` step 3 c).
 """
 
 import math
@@ -26,21 +31,60 @@ from helpers import make_inputs  # noqa: E402
 
 SITES = {"kbar": ("A", "S", "Kbar", "U", "U_decayed", "P", "O"),
          "residual": ("A", "S", "W", "U", "U_decayed", "P", "O")}
+BLOCK = 16  # the blocked inverse's diagonal blocks (chunk_prep)
+
+
+def to_tf32(x, nearest=True):
+    """``x`` in TF32 (11 significant bits, fp32's range): rounded to nearest, as ``cvt.rna.tf32.f32`` does, or
+    (``nearest=False``) truncated, as the tensor cores read an fp32 register and as ``tf32_split``'s head is."""
+    bits = x.float().view(torch.int32)
+    return ((bits + (0x1000 if nearest else 0)) & ~0x1FFF).view(torch.float32).double()
+
+
+# How the products of the solve's blocks below the diagonal read their operands (fp32 accumulation, exact here):
+# chunk_prep's three-term TF32 split carries about fp32's rounding (taken as exact), one TF32 term 11 bits.
+SOLVES = {"exact": lambda x: x, "tf32": to_tf32, "tf32-truncated": lambda x: to_tf32(x, nearest=False),
+          "fp16": lambda x: x.half().double(), "bf16": lambda x: x.bfloat16().double()}
+
+
+def chunk_inverse(m, solve="exact"):
+    """``(I + m)^-1`` for a strictly lower ``m`` (a chunk's ``diag(beta) Kn Kn^T`` below its diagonal) as
+    chunk_prep forms it: the 16 x 16 diagonal blocks by substitution (fp32, taken as exact), then the blocks
+    below them by doubling, ``X_ij = -X_ii (sum_k M_ik X_kj)`` over 32 x 32 halves then the whole chunk, each
+    product's operands read as ``SOLVES[solve]`` reads them (so each sum is rounded as it becomes the right
+    operand of the next product, as it does leaving the accumulator)."""
+    n = m.shape[0]
+    eye = torch.eye(n, dtype=torch.float64)
+    if solve == "exact" or n <= BLOCK:
+        return torch.linalg.solve_triangular(eye + m, eye, upper=False)
+    read = SOLVES[solve]
+    x = torch.zeros_like(m)
+    for b in range(0, n, BLOCK):
+        e = slice(b, min(b + BLOCK, n))
+        x[e, e] = torch.linalg.solve_triangular(eye[e, e] + m[e, e], eye[e, e], upper=False)
+    width = BLOCK
+    while width < n:  # join diagonal halves of 2 x width into one block: X_10 = -X_11 (M_10 X_00)
+        for b in range(0, n, 2 * width):
+            top, bottom = slice(b, b + width), slice(b + width, min(b + 2 * width, n))
+            if bottom.start >= n:
+                continue
+            x[bottom, top] = -read(x[bottom, bottom]) @ read(read(m[bottom, top]) @ read(x[top, top]))
+        width *= 2
+    return x
 
 
 def bf16(x, site, exact):
     return x if site in exact else x.to(torch.bfloat16).double()
 
 
-def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64):
-    """One sequence, one value head; q and k already normalised; ``form``: Kbar in prep or the chain's W."""
+def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, solve="exact"):
+    """One sequence, one value head; q and k already normalised; ``form``: Kbar in prep or the chain's W;
+    ``solve``: how the chunk inverse's products below the diagonal read their operands (``SOLVES``)."""
     outs = []
     for s in range(0, k.shape[0], chunk):
         qc, kc, vc, gc, bc = (x[s : s + chunk] for x in (q, k, v, g, beta))
-        n = kc.shape[0]
         gamma = gc.cumsum(0)
-        eye = torch.eye(n, dtype=torch.float64)
-        a0 = torch.linalg.solve_triangular(eye + (bc[:, None] * (kc @ kc.T)).tril(-1), eye, upper=False)
+        a0 = chunk_inverse((bc[:, None] * (kc @ kc.T)).tril(-1), solve)
         a = a0 * bc[None, :]
         decay = (gamma[:, None] - gamma[None, :]).exp().tril()
         a_keys = bf16(-gamma.exp()[:, None] * a, "A", exact)
@@ -57,11 +101,11 @@ def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64):
     return torch.cat(outs), state
 
 
-def errors(x, o_ref, s_ref, q, k, exact, form, heads=2):
+def errors(x, o_ref, s_ref, q, k, exact, form, heads=2, solve="exact"):
     eo = es = no = ns = 0.0
     for h in range(heads):
         o, s = emulate(q, k, x["v"][0, :, h], x["g"][0, :, h], x["beta"][0, :, h], x["initial_state"][0, h],
-                       q.shape[-1] ** -0.5, exact, form)
+                       q.shape[-1] ** -0.5, exact, form, solve=solve)
         eo += (o - o_ref[0, :, h]).norm().item() ** 2
         no += o_ref[0, :, h].norm().item() ** 2
         es += (s - s_ref[0, h]).norm().item() ** 2
@@ -75,6 +119,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--decay", default="none", help="make_inputs' decay (none, normal, strong)")
     parser.add_argument("--form", default="kbar", choices=sorted(SITES), help="the value correction's form")
+    parser.add_argument("--solves", action="store_true",
+                        help="instead: every rounding on, the chunk inverse's products below the diagonal read as "
+                             "each of SOLVES reads them (raw bf16 q/k with fp32 inverse norms)")
+    parser.add_argument("--key-norm", type=float,
+                        help="with --solves: keys of this norm in bf16, no l2norm (a harder inverse than unit keys)")
+    parser.add_argument("--beta-scale", type=float, default=1.0, help="with --solves: beta times this (up to 2)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     raw = make_inputs(kdim=128, vdim=128, hqk=1, hv=2, seqs=[12000], decay=args.decay, initial_state=True,
@@ -82,6 +132,15 @@ def main():
     x = {n: t.double() if t.is_floating_point() else t for n, t in raw.items()}
     o_ref, s_ref = reference.chunked_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     qn, kn = reference.l2norm(x["q"][0, :, 0]), reference.l2norm(x["k"][0, :, 0])
+    if args.solves:
+        if args.key_norm is not None or args.beta_scale != 1:
+            qn, kn = qn.bfloat16().double(), (kn * (args.key_norm or 1)).bfloat16().double()
+            x = dict(x, q=qn[None, :, None], k=kn[None, :, None], beta=x["beta"] * args.beta_scale)
+            o_ref, s_ref = reference.chunked_gated_delta_rule(**x, output_final_state=True)
+        for solve in SOLVES:
+            o_err, s_err = errors(x, o_ref, s_ref, qn, kn, (), args.form, solve=solve)
+            print(f"  solve's products {solve:14s} o {o_err:.2e}  state {s_err:.2e}", flush=True)
+        return
     for label, q, k in (("q/k normalised and rounded to bf16 in memory", qn.bfloat16().double(), kn.bfloat16().double()),
                         ("raw bf16 q/k, fp32 inverse norms", qn, kn)):
         print(label)
