@@ -2,13 +2,15 @@
 
     python benchmarks/bench_decode.py --out benchmarks/results          # operator grid + layer steps
     python benchmarks/bench_decode.py --batches 1,256 --heads 16x32 --steps 1 --no-layer
+    python benchmarks/bench_decode.py --layouts packed --no-layer   # the sequences packed with cu_seqlens
 
 Operator rows: a dense batch of B sequences, T new tokens each (T = 1: a decode
 step; T = 4: speculative verification), K = V = 128, q/k/v bf16 as the layer
 makes them, g fp32, beta bf16, an fp32 state [B, Hv, K, V] in and the final
 state out, a random quarter of the value heads with g = 0; modes ``l2norm``
 (raw q/k, ``use_qk_l2norm_in_kernel=True``, what Transformers asks) and
-``normalized``.  Columns:
+``normalized``; layouts ``dense`` (``[B, T, ...]``) and ``packed`` (``[1, B T, ...]``
+with ``cu_seqlens``, as a serving engine batches a step).  Columns:
 
 * ``flash-qla-tl``: ``fused_recurrent_gated_delta_rule``, final state in a new
   tensor (what FLA does);
@@ -65,14 +67,16 @@ def peers() -> dict:
 
     def call(fn, **extra):
         return lambda x, l2norm: fn(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["h0"],
-                                    output_final_state=True, use_qk_l2norm_in_kernel=l2norm, **extra)
+                                    output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
+                                    cu_seqlens=x["cu_seqlens"], **extra)
 
     libs = {OURS: call(ours)}
 
     def in_place(x, l2norm):
         with torch.no_grad():
             return ours(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["state"],
-                        output_final_state=True, use_qk_l2norm_in_kernel=l2norm, inplace_final_state=True)
+                        output_final_state=True, use_qk_l2norm_in_kernel=l2norm, inplace_final_state=True,
+                        cu_seqlens=x["cu_seqlens"])
 
     libs[OURS_INPLACE] = in_place
     try:
@@ -83,37 +87,48 @@ def peers() -> dict:
     return libs
 
 
-def make_problem(batch, hqk, hv, steps, mode, seed=0):
-    gen = torch.Generator("cuda").manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+def make_problem(batch, hqk, hv, steps, mode, seed=0, packed=False, device="cuda"):
+    """One row's inputs; ``packed``: the same tokens as one row of ``batch x steps`` with ``cu_seqlens``."""
+    gen = torch.Generator(device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=device)
     q, k = rnd(batch, steps, hqk, D), rnd(batch, steps, hqk, D)
     if mode == "normalized":
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     g = F.logsigmoid(rnd(batch, steps, hv)) / 16
-    g[:, :, torch.randperm(hv, generator=gen, device="cuda")[: max(1, hv // 4)]] = 0
+    g[:, :, torch.randperm(hv, generator=gen, device=device)[: max(1, hv // 4)]] = 0
     h0 = rnd(batch, hv, D, D) * 0.05
-    return dict(q=q.bfloat16(), k=k.bfloat16(), v=rnd(batch, steps, hv, D).bfloat16(), g=g,
-                beta=torch.sigmoid(rnd(batch, steps, hv)).bfloat16(), h0=h0, state=h0.clone())
+    x = dict(q=q.bfloat16(), k=k.bfloat16(), v=rnd(batch, steps, hv, D).bfloat16(), g=g,
+             beta=torch.sigmoid(rnd(batch, steps, hv)).bfloat16())
+    cu_seqlens = None
+    if packed:
+        x = {n: t.reshape(1, batch * steps, *t.shape[2:]) for n, t in x.items()}
+        cu_seqlens = torch.arange(0, batch * steps + 1, steps, dtype=torch.int32, device=device)
+    return dict(x, h0=h0, state=h0.clone(), cu_seqlens=cu_seqlens)
+
+
+def reference_step(x, l2norm):
+    """The float64 token recurrence on a problem's inputs (either layout)."""
+    return reference.recurrent_gated_delta_rule(
+        x["q"].double(), x["k"].double(), x["v"].double(), x["g"].double(), x["beta"].double(),
+        initial_state=x["h0"].double(), output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
+        cu_seqlens=x["cu_seqlens"])
 
 
 def width_times(x, l2norm) -> dict:
     """Ours at every value-block width (the planner picks one of them: ``hopper_recurrent.plan_block_v``)."""
     step = lambda b: hopper_recurrent.recurrent_forward(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, l2norm, block_v=b)
+        x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["h0"], True, l2norm, cu_seqlens=x["cu_seqlens"], block_v=b)
     return {b: graph_ms(lambda: step(b), calls=DECODE_CALLS_PER_GRAPH) for b in BLOCK_WIDTHS}
 
 
 def run_operator(grid, libs, ceilings, save, check=True, compare_widths=False):
     rows = []
-    for batch, (hqk, hv), steps, mode in grid:
-        x = make_problem(batch, hqk, hv, steps, mode)
+    for batch, (hqk, hv), steps, mode, layout in grid:
+        x = make_problem(batch, hqk, hv, steps, mode, packed=layout == "packed")
         l2norm = mode == "l2norm"
-        row = {"batch": batch, "hqk": hqk, "hv": hv, "steps": steps, "mode": mode, "ms": {}, "host_us": {}, "err": {}}
-        ref = None
-        if check:
-            ref = reference.recurrent_gated_delta_rule(
-                x["q"].double(), x["k"].double(), x["v"].double(), x["g"].double(), x["beta"].double(),
-                initial_state=x["h0"].double(), output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        row = {"batch": batch, "hqk": hqk, "hv": hv, "steps": steps, "mode": mode, "layout": layout, "ms": {},
+               "host_us": {}, "err": {}}
+        ref = reference_step(x, l2norm) if check else None
         for lib, fn in libs.items():
             try:
                 x["state"].copy_(x["h0"])
@@ -139,7 +154,8 @@ def run_operator(grid, libs, ceilings, save, check=True, compare_widths=False):
 
 def format_row(row) -> str:
     ours = row["ms"].get(OURS)
-    parts = [f"B {row['batch']:>3} ({row['hqk']:>2},{row['hv']:>2}) T {row['steps']} {row['mode']:>10}"]
+    parts = [f"B {row['batch']:>3} ({row['hqk']:>2},{row['hv']:>2}) T {row['steps']} {row['mode']:>10} "
+             f"{row.get('layout', 'dense'):>6}"]
     for lib, ms in row["ms"].items():
         err = row["err"].get(lib)
         err = f" err {err['o']:.1e}/{err['state']:.1e}" if isinstance(err, dict) else ""
@@ -166,14 +182,14 @@ def summary(rows) -> list[str]:
 
 def markdown(rows, layer_rows, meta, generated=()) -> str:
     libs = list(rows[0]["ms"]) if rows else []
-    head = (["B", "(Hqk,Hv)", "T", "mode"] + [f"{lib} us" for lib in libs]
+    head = (["B", "(Hqk,Hv)", "T", "mode", "layout"] + [f"{lib} us" for lib in libs]
             + [f"fla / {lib}" for lib in libs if lib != FLA] + ["state floor us"]
             + [f"{lib} host us" for lib in libs] + ["err o / state vs float64: " + ", ".join(libs)]
             + (["ours at 16 / 32 / 64 columns us (planned)"] if rows and "width_ms" in rows[0] else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         fla = r["ms"].get(FLA)
-        cells = [str(r["batch"]), f"({r['hqk']},{r['hv']})", str(r["steps"]), r["mode"]]
+        cells = [str(r["batch"]), f"({r['hqk']},{r['hv']})", str(r["steps"]), r["mode"], r.get("layout", "dense")]
         cells += [f"{r['ms'][lib] * 1e3:.1f}" if r["ms"][lib] else "failed" for lib in libs]
         cells += [f"{fla / r['ms'][lib]:.2f}" if fla and r["ms"][lib] else "-" for lib in libs if lib != FLA]
         cells.append(f"{r['floor_us']:.1f}")
@@ -285,6 +301,7 @@ def main():
     p.add_argument("--heads", help="comma-separated HqkxHv (default: the grid)")
     p.add_argument("--steps", default=",".join(map(str, STEPS)), help="tokens per sequence, comma-separated")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--layouts", default="dense", help="comma-separated: dense, packed (cu_seqlens)")
     p.add_argument("--layer-batches", default="1,64")
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-check", action="store_true")
@@ -293,8 +310,8 @@ def main():
     p.add_argument("--generate", action="store_true", help="also greedy generate's tokens per second")
     args = p.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]
-    grid = [(b, h, t, m) for h in parse_heads(args.heads, HEADS) for b in ints(args.batches)
-            for t in ints(args.steps) for m in args.modes.split(",")]
+    grid = [(b, h, t, m, layout) for h in parse_heads(args.heads, HEADS) for b in ints(args.batches)
+            for t in ints(args.steps) for m in args.modes.split(",") for layout in args.layouts.split(",")]
 
     ceilings = measure_ceilings()
     meta = {"timer": "cuda-graph", "calls_per_graph": DECODE_CALLS_PER_GRAPH, "gpu": torch.cuda.get_device_name(),

@@ -94,3 +94,23 @@ def test_merged_runs_keep_every_row_and_command_and_refuse_another_gpu():
     runs[1]["meta"]["gpu"] = "NVIDIA H100 80GB HBM3"
     with pytest.raises(SystemExit, match="differ"):
         merge_results.merge(runs)
+
+
+def test_decode_rows_packed_as_a_serving_engine_batches_them():
+    """``bench_decode.py --layouts packed``: the same tokens as one row with ``cu_seqlens``, which our step (and
+    the reference that checks it) walks as the dense batch's sequences."""
+    import bench_decode
+
+    dense, packed = (bench_decode.make_problem(3, 2, 4, 2, "l2norm", packed=p, device="cpu") for p in (False, True))
+    assert packed["q"].shape == (1, 6, 2, bench_decode.D) and packed["cu_seqlens"].tolist() == [0, 2, 4, 6]
+    assert dense["cu_seqlens"] is None and torch.equal(packed["v"].view(dense["v"].shape), dense["v"])
+    ours = bench_decode.peers()[bench_decode.OURS]
+    for x in (dense, packed):
+        o, state = ours(x, True)
+        o_ref, state_ref = bench_decode.reference_step(x, True)
+        assert o.shape == x["v"].shape and bench_decode.rel_rms(o, o_ref) < 1e-2
+        assert bench_decode.rel_rms(state, state_ref) < 1e-2
+    o_dense, state_dense = ours(dense, True)
+    o_packed, state_packed = ours(packed, True)
+    assert torch.allclose(o_packed.view(o_dense.shape).float(), o_dense.float(), atol=1e-2)
+    assert torch.allclose(state_packed, state_dense, atol=1e-4)
