@@ -3,6 +3,7 @@
     python benchmarks/bench_decode.py --out benchmarks/results          # operator grid + layer steps
     python benchmarks/bench_decode.py --batches 1,256 --heads 16x32 --steps 1 --no-layer
     python benchmarks/bench_decode.py --layouts packed --no-layer   # the sequences packed with cu_seqlens
+    python benchmarks/bench_decode.py --candidate main=/tmp/main/flash_qla_tl --no-layer   # another revision beside
 
 Operator rows: a dense batch of B sequences, T new tokens each (T = 1: a decode
 step; T = 4: speculative verification), K = V = 128, q/k/v bf16 as the layer
@@ -17,7 +18,9 @@ with ``cu_seqlens``, as a serving engine batches a step).  Columns:
 * ``flash-qla-tl in place``: the same with ``inplace_final_state=True``, the
   state updated in the caller's tensor (what our layer does with the cache);
 * ``fla``: fla-core's ``fused_recurrent_gated_delta_rule`` (Triton), every
-  argument after v by keyword (its fifth positional parameter is ``gk``).
+  argument after v by keyword (its fifth positional parameter is ``gk``);
+* ``flash-qla-tl@NAME`` (``--candidate NAME=DIR``): the same call from another
+  revision's package, an A/B in one process on the same inputs.
 
 Every library's o and state are checked against the float64 token recurrence.
 Kernel time is CUDA-graph replay (``DECODE_CALLS_PER_GRAPH`` calls per graph: a
@@ -49,7 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_qla_tl  # noqa: E402
 from flash_qla_tl import hopper_recurrent, reference  # noqa: E402
 from flash_qla_tl.kernels.recurrent_step import BLOCK_WIDTHS  # noqa: E402
-from bench_forward import MODES, geomean, measure_ceilings, parse_heads, rel_rms  # noqa: E402
+from bench_forward import (  # noqa: E402
+    MODES, geomean, load_candidate, measure_ceilings, parse_candidate, parse_heads, rel_rms,
+)
 from timing import graph_ms, host_us, versions  # noqa: E402
 
 BATCHES = [1, 8, 32, 128, 256]
@@ -61,8 +66,9 @@ D = 128
 STATE_BYTES_PER_HEAD = 2 * D * D * 4  # fp32 state read and written
 
 
-def peers() -> dict:
-    """Each library as ``fn(x, l2norm) -> (o, state)`` on a problem dict."""
+def peers(candidates: list[tuple[str, Path]] = ()) -> dict:
+    """Each library as ``fn(x, l2norm) -> (o, state)`` on a problem dict; ``candidates``: other revisions'
+    packages (``bench_forward.load_candidate``), each a column ``flash-qla-tl@NAME``."""
     ours = flash_qla_tl.fused_recurrent_gated_delta_rule
 
     def call(fn, **extra):
@@ -71,6 +77,8 @@ def peers() -> dict:
                                     cu_seqlens=x["cu_seqlens"], **extra)
 
     libs = {OURS: call(ours)}
+    for label, package_dir in candidates:
+        libs[f"{OURS}@{label}"] = call(load_candidate(package_dir, label).fused_recurrent_gated_delta_rule)
 
     def in_place(x, l2norm):
         with torch.no_grad():
@@ -302,6 +310,9 @@ def main():
     p.add_argument("--steps", default=",".join(map(str, STEPS)), help="tokens per sequence, comma-separated")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--layouts", default="dense", help="comma-separated: dense, packed (cu_seqlens)")
+    p.add_argument("--candidate", type=parse_candidate, action="append", default=[],
+                   help="NAME=DIR: another revision's flash_qla_tl package directory, timed as a column "
+                        "flash-qla-tl@NAME (repeatable)")
     p.add_argument("--layer-batches", default="1,64")
     p.add_argument("--no-layer", action="store_true")
     p.add_argument("--no-check", action="store_true")
@@ -326,7 +337,8 @@ def main():
             {"meta": meta, "rows": rows, "layer": layer_rows, "generate": generated}, indent=1))
         (args.out / "decode.md").write_text(markdown(rows, layer_rows, meta, generated))
 
-    rows = [] if args.no_operator else run_operator(grid, peers(), ceilings, save, check=not args.no_check,
+    libs = peers(args.candidate)
+    rows = [] if args.no_operator else run_operator(grid, libs, ceilings, save, check=not args.no_check,
                                                     compare_widths=args.compare_widths)
     if not args.no_layer:
         layer_rows.extend(layer_step_rows(ints(args.layer_batches)))

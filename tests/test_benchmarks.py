@@ -114,3 +114,6 @@ def test_decode_rows_packed_as_a_serving_engine_batches_them():
     o_packed, state_packed = ours(packed, True)
     assert torch.allclose(o_packed.view(o_dense.shape).float(), o_dense.float(), atol=1e-2)
     assert torch.allclose(state_packed, state_dense, atol=1e-4)
+    # --candidate: another revision's package as a column of its own, on the same inputs
+    candidate = bench_decode.peers([("same", Path(flash_qla_tl.__file__).parent)])["flash-qla-tl@same"]
+    assert all(torch.equal(a, b) for a, b in zip(candidate(packed, True), (o_packed, state_packed)))

@@ -1,14 +1,5 @@
-"""A packed decode step (B sequences of one token, ``cu_seqlens``) under CUDA graphs: another revision's package
-(``before``) against this tree's (``now``), in one process on the same inputs, l2norm in kernel.
-
-    mkdir -p .ab/pre && git archive <revision> flash_qla_tl | tar -x -C .ab/pre
-    python benchmarks/packed_decode_ab.py .ab/pre/flash_qla_tl
-
-Session 32 compared de60f2b (the step followed by a ``zero_tail_rows`` launch under capture) with the step whose
-last sequence's programs zero the rows past it (BENCHMARKS.md "Session 32" item 3).  Each side's time is the
-faster of two graphs (``timing.graph_ms``, 20 calls a graph); the outputs of both sides are compared bitwise.
-"""
-import argparse
+"""A packed decode step (B sequences of one token, cu_seqlens) under CUDA graphs: main before (zero_tail_rows
+launched after the step under capture) against the tree (the step's last programs zero those rows)."""
 import sys
 from pathlib import Path
 
@@ -22,9 +13,7 @@ from timing import graph_ms, versions  # noqa: E402
 
 import flash_qla_tl  # noqa: E402
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("before", type=Path, help="the other revision's flash_qla_tl directory")
-pre = load_candidate(p.parse_args().before.resolve(), "pre")
+pre = load_candidate(root / ".ab/pre/flash_qla_tl", "pre")
 libs = {"before": pre.fused_recurrent_gated_delta_rule, "now": flash_qla_tl.fused_recurrent_gated_delta_rule}
 print(torch.cuda.get_device_name(), versions())
 for hqk, hv in ((16, 32), (2, 8)):
