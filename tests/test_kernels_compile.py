@@ -21,7 +21,7 @@ from flash_qla_tl.kernels.chunk_pipeline import (
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
-from flash_qla_tl.kernels.compile import check_named_barriers, compile_program
+from flash_qla_tl.kernels.compile import HOPPER_TARGET, check_named_barriers, compile_program, pass_configs_of
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm, build_gated_rms_norm_backward
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
@@ -176,6 +176,37 @@ def test_transposed_chain_compiles(hqk, hv, dtype, has_h0, store_ht):
     assert source.count("tl::wgmma_rs<") >= 4 and "state_op" not in shared_buffers(source)
     assert "tma_store(o_desc" in source and shared_memory_used(source) < SMEM_PER_BLOCK
     assert "warpgroup_reg_dealloc<104>" in source  # prep under the launch's 128 a thread lowers its count
+
+
+@pytest.mark.parametrize("variant", [(128, "in_chain", True), (64, "in_chain"), (128, "kbar_derived")],
+                         ids=["transposed", "narrow", "kbar"])
+def test_state_pass_keeps_its_wgmma_in_flight(variant, monkeypatch):
+    """Where ptxas has too few registers to keep a wgmma in flight anywhere in a program, it issues every one
+    alone and waits for each k-step (its info C7512, no error); the transposed chain's 192 registers did so
+    until its first round waited for both of its GEMMs (chunk_forward; 9% of the pass at (16,32) 8192x4,
+    BENCHMARKS.md "Session 33").  Compiled afresh (not from TileLang's cache), with ptxas's report kept."""
+    import tilelang
+    import tilelang.contrib.nvcc as nvcc
+
+    reports = []
+
+    class Recorder:
+        def info(self, message, *args):
+            reports.append(message % args)
+
+    compile_cuda = nvcc.compile_cuda
+    monkeypatch.setattr(nvcc, "compile_cuda", lambda *args, **kw: compile_cuda(*args, **{**kw, "verbose": True}))
+    monkeypatch.setattr(nvcc, "logger", Recorder())
+    block_v, *rest = variant
+    tilelang.disable_cache()
+    try:
+        tilelang.compile(build_chunk_forward(16, 32, 128, 128, "bfloat16", True, True, block_v, False, True, True,
+                                             *rest), target=HOPPER_TARGET, execution_backend="tvm_ffi",
+                         pass_configs=dict(pass_configs_of(build_chunk_forward)))
+    finally:
+        tilelang.enable_cache()
+    report = "\n".join(reports)
+    assert "PTXAS" in report and "C7512" not in report, report
 
 
 def test_register_split_fits_the_launch():

@@ -312,13 +312,18 @@ def build_chunk_forward(
                         s = bos + c * C
                         n = T.min(seqlen - c * C, C)
                         T.barrier_wait(prepared[st], (c // STAGES) % 2)
-                        # Round 1: S^T K^T and O^T = S^T Q^T from the state in registers, then U^T.
+                        # Round 1: S^T K^T and O^T = S^T Q^T from the state in registers, then U^T.  Both are
+                        # waited for here: with O^T's GEMM still in flight through U^T's, ptxas had too few of
+                        # the 192 registers to keep any wgmma of the program in flight and issued every one
+                        # alone, waiting for each k-step (its C7512; tests/test_kernels_compile.py checks).
+                        # This pass took 338.5 us instead of 373.3 at (16,32) 8192x4 (H200, BENCHMARKS.md
+                        # "Session 33").
                         T.copy(state_t, state_t_op)
                         T.wgmma_gemm(state_t_op, k_tile[st, :, :], u_t, transpose_B=True, clear_accum=True,
                                      policy=STATE_ROWS)
                         T.wgmma_gemm(state_t_op, q_tile[st, :, :], out_t, transpose_B=True, clear_accum=True,
                                      policy=STATE_ROWS)
-                        T.wait_wgmma(1)
+                        T.wait_wgmma(0)
                         # U^T = V^T Av^T + (-(S^T K^T) diag(G rk)) Av^T: V^T as a GEMM operand read transposed from
                         # shared memory (no elementwise read of V across its rows), the correction rounded alone
                         for i, j in T.Parallel(block_v, C):
