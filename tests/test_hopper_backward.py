@@ -182,7 +182,8 @@ def test_context_parallel_walks(decay, monkeypatch):
     split into segments of their own (the reverse scan runs backwards)."""
     assert hopper_backward.plan_walks(32768, 1, 4, torch.device("cuda")).segment_tokens is not None
     seqs = [9000, 3001]  # segments of 2048 tokens: the last ones of both sequences are partial
-    monkeypatch.setattr(hopper_forward, "plan_state_pass", lambda *args: hopper_forward.StatePassPlan(32, None))
+    monkeypatch.setattr(hopper_forward, "plan_state_pass",  # the forward passes its offsets by keyword
+                        lambda *args, **kwargs: hopper_forward.StatePassPlan(32, None))
     monkeypatch.setattr(hopper_backward, "plan_walks", lambda *args: hopper_forward.StatePassPlan(32, 2048))
     x = _inputs(seqs=seqs, decay=decay, initial_state=True, hqk=1, hv=4)
     _check_long(x)
