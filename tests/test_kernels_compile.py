@@ -21,7 +21,9 @@ from flash_qla_tl.kernels.chunk_pipeline import (
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
 from flash_qla_tl.kernels.sequence_pieces import CHUNK_ROWS, SEGMENT_STARTS, build_sequence_pieces
-from flash_qla_tl.kernels.compile import HOPPER_TARGET, check_named_barriers, compile_program, pass_configs_of
+from flash_qla_tl.kernels.compile import (
+    check_named_barriers, compile_program, compile_with_tilelang, pass_configs_of,
+)
 from flash_qla_tl.kernels.gated_rms_norm import build_gated_rms_norm, build_gated_rms_norm_backward
 from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
@@ -200,9 +202,8 @@ def test_state_pass_keeps_its_wgmma_in_flight(variant, monkeypatch):
     block_v, *rest = variant
     tilelang.disable_cache()
     try:
-        tilelang.compile(build_chunk_forward(16, 32, 128, 128, "bfloat16", True, True, block_v, False, True, True,
-                                             *rest), target=HOPPER_TARGET, execution_backend="tvm_ffi",
-                         pass_configs=dict(pass_configs_of(build_chunk_forward)))
+        compile_with_tilelang(build_chunk_forward, (16, 32, 128, 128, "bfloat16", True, True, block_v, False, True,
+                                                    True, *rest), pass_configs_of(build_chunk_forward))
     finally:
         tilelang.enable_cache()
     report = "\n".join(reports)

@@ -316,8 +316,8 @@ def build_chunk_forward(
                         # waited for here: with O^T's GEMM still in flight through U^T's, ptxas had too few of
                         # the 192 registers to keep any wgmma of the program in flight and issued every one
                         # alone, waiting for each k-step (its C7512; tests/test_kernels_compile.py checks).
-                        # This pass took 338.5 us instead of 373.3 at (16,32) 8192x4 (H200, BENCHMARKS.md
-                        # "Session 33").
+                        # This pass took 338.5 us instead of 373.3 at (16,32) 8192x4 (H200, eager kernel profile,
+                        # BENCHMARKS.md "Session 33").
                         T.copy(state_t, state_t_op)
                         T.wgmma_gemm(state_t_op, k_tile[st, :, :], u_t, transpose_B=True, clear_accum=True,
                                      policy=STATE_ROWS)
