@@ -33,16 +33,19 @@ BENCHMARKS.md "Session 29".)
 by 16 x 16 blocks in fp32: the four diagonal blocks ``X_ii = (I + M_ii)^-1`` by
 forward substitution on CUDA cores (one thread per column, 120 FMAs), then the
 six blocks below the diagonal by 32 x 32 doubling (``off_diagonal_blocks``) on
-the tensor cores, as TF32 ``mma.sync`` with each fp32 operand split in a TF32
-head and tail (``hi hi + hi lo + lo hi``: about 21 significant bits, the
-rounding of the fp32 substitution it replaced, where one TF32 product would
-carry 11).  On CUDA cores (level by level, 4 x 2 register micro-tiles) the same
+the tensor cores, as TF32 ``mma.sync`` of one term, each fp32 operand read to
+TF32 (11 significant bits, truncated).  That is enough: ``A0`` leaves in bf16
+(8 bits), and a float64 emulation of the whole forward with every other rounding
+of the kernels in place gives the same errors as exact products (o 4.15e-3, state
+3.45e-3 without decay over 12,000 tokens; with keys of norm 1.5, 6.95e-3 against
+6.90e-3; ``scripts/emulate_roundings.py --solves``), where the three-term split
+this replaced (``hi hi + hi lo + lo hi``, ~21 bits) took three times the HMMA.
+On CUDA cores (level by level, 4 x 2 register micro-tiles) the same
 products kept the load/store pipe at 88-96% (ncu, H200) over 144 dependent
 k-steps; a fragment loads each operand once, and the kernel took 181 us instead
 of 241 at (16,32) 8192x4 (H100, 2026-11-28, eager profile; BENCHMARKS.md "Session 26").
 There is no power series and no assumption on the size of ``M``, so keys need
-not be normalised and beta may reach 2; the rounding error is that of a
-blocked fp32 substitution (checked against float64).  The Gram matrix goes
+not be normalised and beta may reach 2 (checked against float64).  The Gram matrix goes
 through the tensor cores too (``dtype`` operands, whose products are exact in
 fp32, with fp32 accumulation).
 
@@ -180,12 +183,9 @@ def build_chunk_prep(
                 for a in T.vectorized(S):
                     X[u * B + c, solve_slot(u * B + c, v * B + h * S), a] = x[h * S + a]
 
-    @T.macro
-    def tf32_split(value, hi, lo, q):
-        """``value = hi[q] + lo[q]`` with ``hi[q]`` exact in TF32 (the low 13 mantissa bits cleared) and
-        ``lo[q]`` the exact remainder, which the tensor core reads to TF32 (2^-21 of ``value``)."""
-        hi[q] = T.reinterpret(T.bitwise_and(T.reinterpret(value, "uint32"), T.uint32(0xFFFFE000)), "float32")
-        lo[q] = value - hi[q]
+    def tf32(value):
+        """``value`` truncated to TF32 (its low 13 mantissa bits cleared), as the tensor core reads it."""
+        return T.reinterpret(T.bitwise_and(T.reinterpret(value, "uint32"), T.uint32(0xFFFFE000)), "float32")
 
     @T.macro
     def strip_product(left, X, acc, frag, lane, i, k, right, strip):
@@ -194,36 +194,28 @@ def build_chunk_prep(
         ``x_left`` or ``diagonal_left``), and a right block: ``X``'s block ``right`` (a pair of block
         indices), or a sum that ``sum_as_right`` left in registers.
 
-        fp32 on TF32 tensor cores, split in three (``hi hi + hi lo + lo hi``, ~21 significant bits,
-        the size of fp32 forward substitution's rounding): ``mma.sync.m16n8k8``, two k-steps, the
-        three terms in three accumulators (``acc[0:4]``, ``[4:8]``, ``[8:12]``) so that they do not
-        wait on each other.  Fragment rows and columns are PTX's: lane ``gid = lane // 4``,
-        ``tig = lane % 4``; A holds rows ``gid, gid + 8`` at columns ``tig, tig + 4``, B rows
+        fp32 operands on TF32 tensor cores (one term, 11 significant bits: the module docstring says why
+        that is enough): ``mma.sync.m16n8k8``, two k-steps into ``acc``.  Fragment rows and columns are
+        PTX's: lane ``gid = lane // 4``, ``tig = lane % 4``; A holds rows ``gid, gid + 8`` at columns ``tig, tig + 4``, B rows
         ``tig, tig + 4`` at column ``gid``.
         """
         gid = lane // 4
         tig = lane % 4
-        a_hi, a_lo, b_hi, b_lo = frag
+        a, b = frag
         for ks in T.unroll(B // 8):
             for q in T.unroll(4):
-                tf32_split(left(i * B + gid + 8 * (q % 2), k * B + ks * 8 + tig + 4 * (q // 2)), a_hi, a_lo, q)
+                a[q] = tf32(left(i * B + gid + 8 * (q % 2), k * B + ks * 8 + tig + 4 * (q // 2)))
             for q in T.unroll(2):
                 if isinstance(right, tuple):
-                    tf32_split(at(X, right[0] * B + ks * 8 + tig + 4 * q, right[1] * B + strip * 8 + gid), b_hi, b_lo,
-                               q)
+                    b[q] = tf32(at(X, right[0] * B + ks * 8 + tig + 4 * q, right[1] * B + strip * 8 + gid))
                 else:
-                    tf32_split(right[ks * 2 + q], b_hi, b_lo, q)
-            for term, (a, b) in enumerate(((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi))):
-                T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32",
-                          a.data, 0, b.data, 0, acc.data, 4 * term, T.bool(False))
-
-    def strip_value(acc, q):
-        """Accumulator element ``q`` of a strip: its three TF32 terms summed, the small ones first."""
-        return (acc[4 + q] + acc[8 + q]) + acc[q]
+                    b[q] = tf32(right[ks * 2 + q])
+            T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32", a.data, 0, b.data, 0, acc.data, 0,
+                      T.bool(False))
 
     @T.macro
     def clear(acc):
-        for q in T.unroll(12):
+        for q in T.unroll(4):
             acc[q] = T.float32(0)
 
     @T.macro
@@ -239,13 +231,13 @@ def build_chunk_prep(
         for ks in T.unroll(2):
             for q in T.unroll(2):
                 source = 4 * (tig + 4 * q) + gid // 2
-                even = T.shfl_sync(strip_value(acc, 2 * ks) * row_scale(gid + 8 * ks), source)
-                odd = T.shfl_sync(strip_value(acc, 2 * ks + 1) * row_scale(gid + 8 * ks), source)
+                even = T.shfl_sync(acc[2 * ks] * row_scale(gid + 8 * ks), source)
+                odd = T.shfl_sync(acc[2 * ks + 1] * row_scale(gid + 8 * ks), source)
                 right[ks * 2 + q] = T.if_then_else(gid % 2 == 0, even, odd)
 
     @T.macro
     def store_strip(X, acc, lane, dest, strip):
-        """``-strip_value`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator element
+        """The negated strip ``acc`` to strip ``strip`` of ``X``'s block ``dest``.  Accumulator element
         ``q`` of lane ``(gid, tig)`` is row ``gid + 8 (q // 2)``, column ``2 tig + q % 2``: one 8-byte store
         per row."""
         gid = lane // 4
@@ -254,7 +246,7 @@ def build_chunk_prep(
             row = dest[0] * B + gid + 8 * h
             col = dest[1] * B + strip * 8 + 2 * tig
             for e in T.vectorized(2):
-                X[row, solve_slot(row, col), col % S + e] = -strip_value(acc, 2 * h + e)
+                X[row, solve_slot(row, col), col % S + e] = -acc[2 * h + e]
 
     @T.macro
     def off_diagonal_blocks(L, X, acc, frag, rights, thread, beta_row):
@@ -389,8 +381,8 @@ def build_chunk_prep(
             X = T.alloc_shared([C, C // S, S], accum)
             keys_loaded = T.alloc_barrier(arrive_count=threads)
             x = T.alloc_local([B], accum)
-            acc = T.alloc_local([12], accum)  # a strip's three TF32 terms
-            frag = [T.alloc_local([size], accum) for size in (4, 4, 2, 2)]  # A hi, lo; B hi, lo
+            acc = T.alloc_local([4], accum)  # a strip of a product
+            frag = [T.alloc_local([size], accum) for size in (4, 2)]  # its A and B fragments
             rights = [T.alloc_local([4], accum) for _ in range(2)]  # sums as B fragments
 
             chunk_id = program // groups
@@ -452,7 +444,7 @@ def build_chunk_prep(
 
                 # Per value head, the blocked inverse of the unit lower triangular I + M (16 x 16 blocks):
                 # X_ii = (I + M_ii)^-1 on CUDA cores, then the blocks below the diagonal on TF32 tensor
-                # cores, split in three; then the head's operands.
+                # cores, one TF32 term; then the head's operands.
                 for h in T.serial(G):
                     beta_row = lambda row: beta_tile[h, row]  # noqa: E731
                     invert_diagonal_blocks(L, X, x, thread, beta_row)
