@@ -117,3 +117,23 @@ def test_decode_rows_packed_as_a_serving_engine_batches_them():
     # --candidate: another revision's package as a column of its own, on the same inputs
     candidate = bench_decode.peers([("same", Path(flash_qla_tl.__file__).parent)])["flash-qla-tl@same"]
     assert all(torch.equal(a, b) for a, b in zip(candidate(packed, True), (o_packed, state_packed)))
+
+
+def test_ncu_phases_split_roles_at_their_register_counts_and_phases_at_their_syncs(tmp_path, capsys):
+    """``ncu_hotspots.py --phases`` on a made-up source page: two roles, the second with a barrier."""
+    import ncu_hotspots
+
+    columns = ["Address", "Source", ncu_hotspots.SAMPLES, "stall_wait", "stall_barrier"]
+    sass = [("USETMAXREG.DEALLOC.CTAPOOL 0x18", 0, 0, 0), ("LDS R1, [R2]", 10, 10, 0),
+            ("USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0", 0, 0, 0), ("FFMA R1, R2, R3, R4", 30, 30, 0),
+            ("BAR.SYNC.DEFER_BLOCKING 0x3, 0x80", 10, 0, 10), ("FMUL R1, R2, R3", 50, 50, 0)]
+    lines = ['"preamble"'] + [",".join(f'"{c}"' for c in columns)]
+    lines += [",".join(f'"{v}"' for v in (f"0x{i:x}", *row)) for i, row in enumerate(sass)]
+    path = tmp_path / "source.csv"
+    path.write_text("\n".join(lines) + "\n")
+    ncu_hotspots.phases(ncu_hotspots.read(path))
+    out = capsys.readouterr().out
+    assert "role 0 (SASS lines 0-1, 0x18 registers): 10.0% of the samples" in out
+    assert "role 1 (SASS lines 2-5, 0xc0 registers): 90.0% of the samples" in out
+    assert "2-    4  44.4%" in out and "wait 75%" in out  # up to the barrier: 40 of the role's 90 samples
+    assert "5-    5  55.6%" in out
