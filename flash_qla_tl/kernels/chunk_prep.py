@@ -309,6 +309,7 @@ def build_chunk_prep(
         col_key = T.alloc_local([8], accum)  # beta_j rk_j
         col_gamma = T.alloc_local([8], accum)  # log2 units
         x_row = T.alloc_local([8], accum)
+        x_halves = T.alloc_local([8], accum)  # x_row's two 16-byte halves, in the order they were loaded
         keys_row = T.alloc_local([8], dtype)
         values_row = T.alloc_local([8], dtype)
         inverse_row = T.alloc_local([8], dtype)
@@ -319,10 +320,18 @@ def build_chunk_prep(
             if store_keys:
                 col_key[e] = beta_tile[h, j0 + e] * k_scale[j0 + e]
             col_gamma[e] = gamma_tile[h, j0 + e] * LOG2_E
+        # A row's groups g and g + 4 share their banks (``solve_slot``), and 16-byte loads go eight threads at a
+        # time: threads 4-7 of each eight load their second half first, so that each load of the eight meets 32
+        # distinct banks (all eight loading the same half met each bank twice: chunk_prep 147.4 -> 140.7 us at
+        # (16,32) 8192x4, H200, BENCHMARKS.md "Session 34").
+        half = (thread % 8) // 4
         for i in T.unroll(C // 16):
             r = thread // 8 + 16 * i
-            for e in T.vectorized(8):
-                x_row[e] = X[r, solve_slot(r, j0), e]
+            for first in T.unroll(2):
+                for e in T.vectorized(4):
+                    x_halves[4 * first + e] = X[r, solve_slot(r, j0), 4 * (first ^ half) + e]
+            for e in T.unroll(8):
+                x_row[e] = T.if_then_else(half == 0, x_halves[e], x_halves[e ^ 4])
             row_gamma = gamma_tile[h, r] * LOG2_E
             if store_keys:
                 row_key = -T.exp2(row_gamma)
