@@ -323,7 +323,7 @@ def build_chunk_prep(
         # A row's groups g and g + 4 share their banks (``solve_slot``), and 16-byte loads go eight threads at a
         # time: threads 4-7 of each eight load their second half first, so that each load of the eight meets 32
         # distinct banks (all eight loading the same half met each bank twice: chunk_prep 147.4 -> 140.7 us at
-        # (16,32) 8192x4, H200, BENCHMARKS.md "Session 34").
+        # (16,32) 8192x4 l2norm, H200, eager kernel profile, BENCHMARKS.md "Session 34" item 5).
         half = (thread % 8) // 4
         for i in T.unroll(C // 16):
             r = thread // 8 + 16 * i
