@@ -1,7 +1,8 @@
 """Launcher for the Hopper forward: layouts in, TileLang kernels, outputs back.
 
-0. ``inverse_norms`` (with ``use_qk_l2norm_in_kernel``): ``1 / |row|`` of q,
-   applied later as an fp32 scale (q itself is never rewritten);
+0. ``inverse_norms`` (with ``use_qk_l2norm_in_kernel``, for a forward a backward follows): ``1 / |row|``
+   of q, applied later as an fp32 scale (q itself is never rewritten); an inference forward's output pass
+   makes them itself from its q tiles (chunk_forward's ``query_norms``);
 1. ``chunk_prep`` (all chunks at once): the gate cumsum and the gate-free chunk
    inverse ``A = A0 diag(beta)``, written as the GEMM operands the state pass
    needs: ``A o E`` for the values, and ``-diag(G) A diag(rk)`` for the keys where
@@ -175,14 +176,29 @@ def value_correction(plan: StatePassPlan) -> str:
     return "kbar_derived" if plan.block_v == HEAD_DIM and plan.segment_tokens is None else "kbar_loaded"
 
 
-def pass_variant(plan: StatePassPlan, output: bool) -> tuple:
-    """The trailing arguments of ``build_chunk_forward`` for a pass of ``plan``: its value correction, and for
-    a pass that writes the output at whole heads the transposed chain (``("in_chain", True)``: it corrects the
-    values in its chain, with the state in registers; 4-5% faster at (16,32) and (16,64) 8192x4, H200,
-    BENCHMARKS.md "Session 27").  The launcher and the list of shipped programs both ask here."""
+def pass_variant(plan: StatePassPlan, output: bool, query_norms: bool = False) -> tuple:
+    """The trailing arguments of ``build_chunk_forward`` for a pass of ``plan``: its value correction; whether
+    it runs the transposed chain, which a pass that writes the output at whole heads does (``"in_chain"``: it
+    corrects the values in its chain, with the state in registers; 4-5% faster at (16,32) and (16,64) 8192x4,
+    H200, BENCHMARKS.md "Session 27"); and whether it makes the queries' norms (``query_norms``, an output's
+    pass only).  The launcher and the list of shipped programs both ask here."""
     if output and plan.block_v == HEAD_DIM:
-        return ("in_chain", True)
-    return (value_correction(plan),)
+        return ("in_chain", True, query_norms)
+    return (value_correction(plan), False, output and query_norms)
+
+
+def pass_makes_query_norms(block_v: int, num_qk_heads: int, num_v_heads: int) -> bool:
+    """Whether an inference forward's output pass of ``block_v`` columns makes the queries' inverse norms from
+    its q tiles (chunk_forward's ``query_norms``) rather than load those of an ``inverse_norms`` launch before it.
+
+    Prep makes them for every chunk of every program, ``V / block_v`` programs per value head and
+    ``Hv / Hqk`` value heads per query head, while ``inverse_norms`` reads each query row once.  At 64 and
+    128 columns prep has the time (the call 1.02-1.09x faster with the l2norm); at 32 columns prep sets the
+    chain's pace, and the norms cost ~0.14 us a chunk: slower where a query head serves two or more value
+    heads ((2,8) 8192x4 0.273 -> 0.283 ms, (16,32) 1x8192 0.282 -> 0.288), faster where it serves one ((32,32)
+    1x8192 0.295 -> 0.289, (16,16) 4096+4096 0.153 -> 0.149).  H200, CUDA-graph replay, BENCHMARKS.md
+    "Session 35"."""
+    return block_v > 32 or num_v_heads == num_qk_heads
 
 
 def one_wave_width(widths, heads: float, sms: int) -> int:
@@ -199,7 +215,7 @@ class ChunkOperands:
     q: torch.Tensor  # [T, Hqk, K], contiguous, 16-byte aligned (TMA)
     k: torch.Tensor
     v: torch.Tensor  # [T, Hv, V]
-    q_norm: torch.Tensor  # [T, Hqk padded to 4] fp32 inverse norms, or ones
+    q_norm: torch.Tensor | None  # [T, Hqk padded to 4] fp32 inverse norms, or ones; None: the output's pass makes them
     k_norm: torch.Tensor
     beta: torch.Tensor  # [T, Hv] fp32
     gamma: torch.Tensor  # [T, Hv padded to 4] fp32, chunk-local cumsum of g in log2 units
@@ -224,9 +240,11 @@ PREPARED_FIELDS = ("q_norm", "k_norm", "gamma", "a_keys", "a_values", "a_inverse
 
 
 def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=False,
-                   store_keys=True, prepared: tuple | None = None) -> ChunkOperands:
+                   store_keys=True, prepared: tuple | None = None, query_norms: bool = True) -> ChunkOperands:
     """Steps 0 and 1 of the module docstring on non-empty validated inputs (``store_inverse``: keep A0 too;
-    ``store_keys``: A_keys, which the backward and the state passes that form Kbar in prep read).
+    ``store_keys``: A_keys, which the backward and the state passes that form Kbar in prep read;
+    ``query_norms``: with the l2norm, the queries' norms as a tensor, which the backward's kernels read;
+    without, ``q_norm`` is None and the output's pass makes them).
     ``prepared``: the tensors of ``PREPARED_FIELDS`` a forward of the same inputs made with both
     (:func:`chunk_forward`'s ``for_backward``); then no kernel runs."""
     from .kernels.chunk_prep import build_chunk_prep
@@ -250,14 +268,16 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     if prepared is not None:
         return operands(*prepared)
     # Inverse norms of the q / k rows, [T, Hqk padded to whole TMA boxes]; ones without l2norm (unit_norms).
-    # With it, chunk_prep writes k's (it reads every key row anyway); like gamma's, the rows past
+    # With it, chunk_prep writes k's (it reads every key row anyway), and q's are inverse_norms' or, for an
+    # inference forward, the output pass's own (it reads every query row anyway); like gamma's, the rows past
     # the last sequence (a token axis padded under capture) stay unwritten, and every pass
     # selects rows past a chunk's end away.
     layout = dict(zip(PREPARED_FIELDS, prepared_layout(total, hqk, hv, q.dtype)))
     new = lambda field, fill=torch.empty: fill(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
     if use_qk_l2norm_in_kernel:
-        q_norm, k_norm = new("q_norm"), new("k_norm")
-        compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
+        q_norm, k_norm = (new("q_norm") if query_norms else None), new("k_norm")
+        if query_norms:
+            compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
     elif store_inverse:  # kept for a backward (saved by autograd, an output of the hub's op): ones of its own
         q_norm = k_norm = new("q_norm", torch.ones)
     else:
@@ -293,13 +313,15 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: Sta
     states = offsets.numel() - 1
     no_state = placeholder_state(hv, kdim, vdim, device)
     ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else no_state
-    variant = pass_variant(plan, out is not None)
+    variant = pass_variant(plan, out is not None, query_norms=ops.q_norm is None)
     loads_keys = variant[0] == "kbar_loaded"
     assert not loads_keys or ops.a_keys is not None, "prepare_chunks(store_keys=False) for a pass that reads A_keys"
     kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
                              plan.block_v, chunk_states is not None, out is not None, values is not None, *variant)
     a_keys = ops.a_keys if loads_keys else placeholder((1, hv, 64), ops.v.dtype, device)
-    kernel(ops.q, ops.k, ops.q_norm, ops.k_norm, ops.v if values is None else values, ops.gamma, a_keys, ops.a_values, offsets,
+    # without q_norm, ones stand in: the output's pass makes the norms, and the states-only passes read no q
+    q_norm = unit_norms(ops.k_norm.shape, device) if ops.q_norm is None else ops.q_norm
+    kernel(ops.q, ops.k, q_norm, ops.k_norm, ops.v if values is None else values, ops.gamma, a_keys, ops.a_values, offsets,
            no_state if h0 is None else h0, ops.scale,
            placeholder((1, hv, vdim), ops.v.dtype, device) if out is None else out, ht,
            placeholder_state(hv, kdim, vdim, device, ops.v.dtype) if chunk_states is None else chunk_states)
@@ -380,8 +402,10 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
     total = batch * length
     plan = plan or plan_state_pass(total, num_seqs, hv, v.device, offsets=forward_offsets(cu_seqlens, for_backward))
     # what the backward's prepare_chunks would make, where it is to be kept: the same program, the same bits
+    # an inference forward's output pass makes the queries' norms where that pays; a training forward keeps them
+    in_pass = not for_backward and pass_makes_query_norms(plan.block_v, q.shape[2], hv)
     ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=for_backward,
-                         store_keys=for_backward or value_correction(plan) == "kbar_loaded")
+                         store_keys=for_backward or value_correction(plan) == "kbar_loaded", query_norms=not in_pass)
     device = ops.v.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from .hopper_backward import SCORES_WIDTHS, WALK_WIDEST
-from .hopper_forward import BLOCK_WIDTHS, StatePassPlan, pass_variant
+from .hopper_forward import BLOCK_WIDTHS, StatePassPlan, pass_makes_query_norms, pass_variant
 from .kernels.causal_conv_prefill import build_causal_conv_prefill, build_causal_conv_prefill_backward
 from .kernels.causal_conv_step import build_causal_conv_step
 from .kernels.chunk_forward import build_chunk_forward
@@ -88,11 +88,14 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
     out += [(build_inverse_norms, (hqk, 128, dtype)),
             (build_sequence_pieces, (CHUNK_ROWS,)), (build_sequence_pieces, (SEGMENT_STARTS,))]
     # a state pass's trailing arguments, per width, for one pass over whole sequences or over segments, with or
-    # without the output (the output's pass at whole heads is the transposed chain)
-    variant = lambda b, segments=False, output=False: pass_variant(StatePassPlan(b, 2048 if segments else None),  # noqa: E731
-                                                                  output)
-    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True, *variant(b, output=True)))
-            for (h0, ht), b in itertools.product(flags, widths)]
+    # without the output (the output's pass at whole heads is the transposed chain), and an output's pass with
+    # the queries' norms loaded (or ones) and, where an inference forward's l2norm asks, made in the pass
+    variant = lambda b, segments=False, output=False, norms=False: pass_variant(  # noqa: E731
+        StatePassPlan(b, 2048 if segments else None), output, norms)
+    norms_of = lambda b: (False, True) if pass_makes_query_norms(b, hqk, hv) else (False,)  # noqa: E731
+    out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, h0, ht, b, False, True, True,
+                                   *variant(b, output=True, norms=norms)))
+            for (h0, ht), b in itertools.product(flags, widths) for norms in norms_of(b)]
     if all_flags:  # context parallelism: its scans (the forward's; the reverse pass's by its own maps or by the
         # forward's transposed), its first two passes (states only; the second with zero values) and its last pass
         out += [(build_segment_scan, (hv, 128, 128, backwards, transposed))
@@ -102,7 +105,7 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, False,
                                        *variant(b, True))) for b in widths]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
-                                       *variant(b, True, True))) for b in widths]
+                                       *variant(b, True, True, norms))) for b in widths for norms in norms_of(b)]
     if "backward" in kernels:
         out += [(build_chunk_local_gradients, (hqk, hv, 128, 128, dtype, l2norm, count))
                 for l2norm, count in itertools.product((True, False), sms)]

@@ -180,8 +180,9 @@ def test_transposed_chain_compiles(hqk, hv, dtype, has_h0, store_ht):
     assert "warpgroup_reg_dealloc<104>" in source  # prep under the launch's 128 a thread lowers its count
 
 
-@pytest.mark.parametrize("variant", [(128, "in_chain", True), (64, "in_chain"), (128, "kbar_derived")],
-                         ids=["transposed", "narrow", "kbar"])
+@pytest.mark.parametrize("variant", [(128, "in_chain", True), (64, "in_chain"), (128, "kbar_derived"),
+                                     (128, "in_chain", True, True), (32, "in_chain", False, True)],
+                         ids=["transposed", "narrow", "kbar", "transposed-query-norms", "narrow-query-norms"])
 def test_state_pass_keeps_its_wgmma_in_flight(variant, monkeypatch):
     """Where ptxas has too few registers to keep a wgmma in flight anywhere in a program, it issues every one
     alone and waits for each k-step (its info C7512, no error); the transposed chain's 192 registers did so

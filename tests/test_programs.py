@@ -8,6 +8,7 @@ the forward's segments, the decode widths), with ``compile_program`` replaced by
 recorder whose programs do nothing, and every program they ask for must be listed.
 """
 
+import ast
 import contextlib
 import itertools
 
@@ -196,3 +197,31 @@ def test_a_training_forward_hands_its_backward_the_backwards_own_prep(requests, 
     _, _, kept = hopper_forward.chunk_forward(q, k, v, g, beta, None, None, False, l2norm, cu_seqlens,
                                               return_kept=True)
     assert kept.prepared is None and preps() != kept_preps  # inference: no A0 written
+
+
+def forward_pass_configs(keys):
+    """``(store_output, query_norms)`` of each state pass (``build_chunk_forward``) among program ``keys``."""
+    configs = [ast.literal_eval(key[key.index("("): key.index(") {") + 1]) for key in keys
+               if key.startswith("build_chunk_forward")]
+    return [(config[9], config[13]) for config in configs]
+
+
+@pytest.mark.parametrize("hqk,hv,lengths,in_pass", [(2, 2, [300, 100], True), (2, 8, [32768], True),
+                                                   (2, 8, [300, 100], False)],
+                         ids=["narrow, a value head a query head", "whole heads in segments", "narrow, groups of 4"])
+def test_an_inference_forward_makes_the_query_norms_in_its_output_pass(requests, hqk, hv, lengths, in_pass):
+    """With the l2norm, an inference forward's output pass (and only that pass) makes the queries' norms from
+    its q tiles, and no ``inverse_norms`` runs, where ``pass_makes_query_norms`` says that pays; elsewhere the
+    pass loads those of ``inverse_norms``.  A forward a backward follows keeps them as a tensor, which the
+    backward's kernels read: it runs ``inverse_norms`` and its passes load them."""
+    q, k, v, g, beta, cu_seqlens = inputs(hqk, hv, lengths)
+    norms = lambda: [key for key in requests if key.startswith("build_inverse_norms")]  # noqa: E731
+    hopper_forward.chunk_forward(q, k, v, g, beta, None, None, True, True, cu_seqlens)
+    passes = forward_pass_configs(requests)
+    assert (True, in_pass) in passes and bool(norms()) != in_pass, passes
+    assert all(made == (output and in_pass) for output, made in passes), passes
+    requests.clear()
+    _, _, kept = hopper_forward.chunk_forward(q, k, v, g, beta, None, None, True, True, cu_seqlens,
+                                              return_kept=True, for_backward=True)
+    passes = forward_pass_configs(requests)
+    assert norms() and kept.prepared[0] is not None and passes and not any(made for _, made in passes), passes

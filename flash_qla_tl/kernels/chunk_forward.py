@@ -15,7 +15,9 @@ norms of the queries and keys, ``G = exp2(gamma)`` and
     S   <- exp2(gamma_last) S + K^T diag(exp2(gamma_last - gamma) rk) U
 
 (``rq = rk = 1`` without l2norm.)  Raw q and k are the GEMM operands; the norms
-are fp32 scales (see inverse_norms).
+are fp32 scales (see inverse_norms).  ``rk`` comes from chunk_prep; ``rq`` is
+loaded, or (``query_norms``, an inference forward's output pass) made by prep
+from the q tile it has anyway, so that no kernel before this one reads q.
 
 ``correction`` picks where ``Ak`` comes from (``hopper_forward.value_correction``
 picks it per plan).  ``"kbar_loaded"``: chunk_prep's ``A_keys``.  ``"kbar_derived"``:
@@ -129,6 +131,7 @@ def build_chunk_forward(
     read_values: bool = True,
     correction: str = "kbar_loaded",
     transposed: bool = False,
+    query_norms: bool = False,
     chunk: int = 64,
 ):
     """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic.
@@ -142,15 +145,17 @@ def build_chunk_forward(
     chain: ``W = -diag(G rk) K S``).  ``correction``: one of CORRECTIONS, where the value
     correction's ``Ak`` comes from (module docstring).  ``transposed`` (128 columns, the output's pass
     over whole sequences, ``"in_chain"``): the chain walks ``S^T`` and keeps it and ``U^T`` in registers
-    as the left operands of its GEMMs (module docstring, "The transposed chain").
+    as the left operands of its GEMMs (module docstring, "The transposed chain").  ``query_norms`` (an output's
+    pass with the l2norm): prep makes the queries' inverse norms from the q tile (``query_inverse_norms``), and
+    ``q_norm`` is not read.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
     from .chunk_pipeline import (
         CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES,
-        STATE_ROWS, gate_scores, head_columns, load_gates, register_split, reuse_chain_tile, start_walk,
-        store_chain_tile, zero_rows_past,
+        STATE_ROWS, gate_scores, head_columns, load_gates, query_inverse_norms, register_split, reuse_chain_tile,
+        start_walk, store_chain_tile, zero_rows_past,
     )
 
     K, V, C = head_dim_k, head_dim_v, chunk
@@ -162,6 +167,7 @@ def build_chunk_forward(
     assert read_values or not store_output, "zero values are for the states-only passes"
     assert read_values or not has_initial_state, "the transition pass starts from the identity"
     assert correction in CORRECTIONS, correction
+    assert store_output or not query_norms, "only a pass that reads q makes its norms"
     assert not transposed or (block_v == V and correction == "in_chain" and store_output and read_values
                               and not store_chunk_states), "the transposed chain is built for one plan"
     kbar_in_prep, derive_keys = correction != "in_chain", correction == "kbar_derived"
@@ -489,6 +495,8 @@ def build_chunk_forward(
                         T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
                     if correction == "kbar_loaded":
                         T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
+                    if query_norms:  # while the GEMMs run
+                        query_inverse_norms(q_tile, q_scale, st, hkn, tx - CHAIN_THREADS, K)
                     for i in T.Parallel(C):
                         if derive_keys:
                             key_factor[i] = T.Select(
@@ -550,7 +558,8 @@ def build_chunk_forward(
                         T.tma_copy(A_values[s : s + C, hv, :], a_values_tile[st, :, :], barrier=loaded[st])
                     if correction == "kbar_loaded":
                         T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
-                    load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, loaded, C)
+                    load_gates(gamma, None if query_norms else q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0,
+                               hk0, st, loaded, C)
                     T.barrier_wait(consumed[st], (c // STAGES) % 2 ^ 1)
                     T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     T.barrier_arrive(loaded[st])

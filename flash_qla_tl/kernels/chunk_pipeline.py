@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import tilelang.language as T
 
-from .inverse_norms import HEADS_PER_BOX
+from .inverse_norms import EPS, HEADS_PER_BOX
 
 # Warp roles, in thread order: chain, prep, loader.
 CHAIN_THREADS = 256
@@ -79,10 +79,41 @@ def head_columns(hv, group):
 
 @T.macro
 def load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, st, barriers, chunk):
-    """TMA loads of a chunk's gate cumsum and inverse norms (boxes of HEADS_PER_BOX heads, see head_columns)."""
+    """TMA loads of a chunk's gate cumsum and inverse norms (boxes of HEADS_PER_BOX heads, see head_columns);
+    ``q_norm`` None: the pass makes the queries' norms itself (:func:`query_inverse_norms`)."""
     T.tma_copy(gamma[s : s + chunk, h0 : h0 + HEADS_PER_BOX], gamma_tile[st, :, :], barrier=barriers[st])
-    T.tma_copy(q_norm[s : s + chunk, hk0 : hk0 + HEADS_PER_BOX], q_scale[st, :, :], barrier=barriers[st])
+    if q_norm is not None:
+        T.tma_copy(q_norm[s : s + chunk, hk0 : hk0 + HEADS_PER_BOX], q_scale[st, :, :], barrier=barriers[st])
     T.tma_copy(k_norm[s : s + chunk, hk0 : hk0 + HEADS_PER_BOX], k_scale[st, :, :], barrier=barriers[st])
+
+
+@T.macro
+def query_inverse_norms(q_tile, q_scale, st, hkn, thread, head_dim):
+    """Prep's 128 threads write ``q_scale[st, r, hkn] = 1 / sqrt(|q_r|^2 + EPS)`` (inverse_norms' formula) for
+    every row of the chunk's q tile, from the tile the loader brought for the GEMMs: an inference pass with the
+    l2norm then reads q once, not also in a kernel of its own before it (``inverse_norms``, 38 us of a 0.55 ms
+    call at (16,32) 8192x4, H200, BENCHMARKS.md "Session 34").
+
+    Warp ``w`` takes rows ``16 w + [0, 16)``, lanes ``l`` and ``l + 16`` the two halves of row ``16 w + l % 16``
+    (16-byte loads: each eight lanes of a load read eight rows at one column offset, which the tile's swizzle
+    puts on distinct banks), joined by one shuffle.  Rows past a chunk's end get norms too, of whatever the
+    tile holds there; every use selects them away.
+    """
+    lane = thread % 32
+    row = (thread // 32) * 16 + lane % 16
+    half = lane // 16
+    width = head_dim // 2
+    values = T.alloc_local([8], q_tile.dtype)
+    sum_sq = T.alloc_var("float32")
+    sum_sq = T.float32(0)
+    for block in T.unroll(width // 8):
+        for e in T.vectorized(8):
+            values[e] = q_tile[st, row, half * width + block * 8 + e]
+        for e in T.unroll(8):
+            sum_sq += T.cast(values[e], "float32") * T.cast(values[e], "float32")
+    sum_sq += T.shfl_xor(sum_sq, 16)
+    if half == 0:
+        q_scale[st, row, hkn] = T.rsqrt(sum_sq + T.float32(EPS))
 
 
 @T.macro
