@@ -401,9 +401,9 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         return returned(o, ht if output_final_state else None)
     total = batch * length
     plan = plan or plan_state_pass(total, num_seqs, hv, v.device, offsets=forward_offsets(cu_seqlens, for_backward))
-    # what the backward's prepare_chunks would make, where it is to be kept: the same program, the same bits
     # an inference forward's output pass makes the queries' norms where that pays; a training forward keeps them
     in_pass = not for_backward and pass_makes_query_norms(plan.block_v, q.shape[2], hv)
+    # what the backward's prepare_chunks would make, where it is to be kept: the same program, the same bits
     ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=for_backward,
                          store_keys=for_backward or value_correction(plan) == "kbar_loaded", query_norms=not in_pass)
     device = ops.v.device
