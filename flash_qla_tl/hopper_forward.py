@@ -193,9 +193,9 @@ def pass_makes_query_norms(block_v: int, num_qk_heads: int, num_v_heads: int) ->
 
     Prep makes them for every chunk of every program, ``V / block_v`` programs per value head and
     ``Hv / Hqk`` value heads per query head, while ``inverse_norms`` reads each query row once.  At 64 and
-    128 columns prep has the time (the call 1.02-1.09x faster with the l2norm); at 32 columns prep sets the
-    chain's pace, and the norms cost ~0.14 us a chunk: slower where a query head serves two or more value
-    heads ((2,8) 8192x4 0.273 -> 0.283 ms, (16,32) 1x8192 0.282 -> 0.288), faster where it serves one ((32,32)
+    128 columns prep has the time (the call 1.02-1.10x faster with the l2norm); at 32 columns prep sets the
+    chain's pace (the norms there ~0.14 us a chunk, by a fit to the slower rows, not timed alone): slower where
+    a query head serves two or more value heads ((2,8) 8192x4 0.273 -> 0.283 ms, (16,32) 1x8192 0.282 -> 0.288), faster where it serves one ((32,32)
     1x8192 0.295 -> 0.289, (16,16) 4096+4096 0.153 -> 0.149).  H200, CUDA-graph replay, BENCHMARKS.md
     "Session 35"."""
     return block_v > 32 or num_v_heads == num_qk_heads

@@ -214,6 +214,25 @@ def test_value_block_widths(block_v):
                 hopper_forward.StatePassPlan(block_v, None))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_query_norms_made_in_the_output_pass(dtype, block_v, monkeypatch):
+    """An inference forward with the l2norm whose output pass makes the queries' norms itself (64 and 128
+    columns: ``pass_makes_query_norms``; no ``inverse_norms`` before it), in both dtypes, on an awkward batch."""
+    from flash_qla_tl import hopper_forward
+
+    asked, prepare = [], hopper_forward.prepare_chunks
+
+    def recorded(*args, **kwargs):
+        asked.append(kwargs["query_norms"])
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_forward, "prepare_chunks", recorded)
+    x = _inputs(dtype, seqs=[1, 0, 200, 64, 1000], initial_state=True)
+    _check_plan(x, hopper_forward.StatePassPlan(block_v, None))
+    assert asked == [False]
+
+
 def _check_plan(x, plan):
     """The forward under ``plan`` (l2norm in kernel) against float64: o and final state within 5e-3."""
     from flash_qla_tl import hopper_forward

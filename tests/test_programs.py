@@ -10,6 +10,7 @@ recorder whose programs do nothing, and every program they ask for must be liste
 
 import ast
 import contextlib
+import inspect
 import itertools
 
 import pytest
@@ -200,10 +201,14 @@ def test_a_training_forward_hands_its_backward_the_backwards_own_prep(requests, 
 
 
 def forward_pass_configs(keys):
-    """``(store_output, query_norms)`` of each state pass (``build_chunk_forward``) among program ``keys``."""
-    configs = [ast.literal_eval(key[key.index("("): key.index(") {") + 1]) for key in keys
+    """``(store_output, query_norms)`` of each state pass (``build_chunk_forward``) among program ``keys``, whose
+    configs ``program_key`` spells in full (defaults filled in), so they name the factory's parameters in order."""
+    from flash_qla_tl.kernels.chunk_forward import build_chunk_forward
+
+    names = list(inspect.signature(build_chunk_forward).parameters)
+    configs = [dict(zip(names, ast.literal_eval(key[key.index("("): key.index(") {") + 1]))) for key in keys
                if key.startswith("build_chunk_forward")]
-    return [(config[9], config[13]) for config in configs]
+    return [(config["store_output"], config["query_norms"]) for config in configs]
 
 
 @pytest.mark.parametrize("hqk,hv,lengths,in_pass", [(2, 2, [300, 100], True), (2, 8, [32768], True),

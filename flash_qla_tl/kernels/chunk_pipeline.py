@@ -91,8 +91,8 @@ def load_gates(gamma, q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0, hk0, 
 def query_inverse_norms(q_tile, q_scale, st, hkn, thread, head_dim):
     """Prep's 128 threads write ``q_scale[st, r, hkn] = 1 / sqrt(|q_r|^2 + EPS)`` (inverse_norms' formula) for
     every row of the chunk's q tile, from the tile the loader brought for the GEMMs: an inference pass with the
-    l2norm then reads q once, not also in a kernel of its own before it (``inverse_norms``, 38 us of a 0.55 ms
-    call at (16,32) 8192x4, H200, BENCHMARKS.md "Session 34").
+    l2norm then reads q once, not also in a kernel of its own before it (``inverse_norms``: 38 us in an eager
+    kernel profile at (16,32) 8192x4, whose call takes 0.55 ms under graph replay, H200, BENCHMARKS.md "Session 34").
 
     Warp ``w`` takes rows ``16 w + [0, 16)``, lanes ``l`` and ``l + 16`` the two halves of row ``16 w + l % 16``
     (16-byte loads: each eight lanes of a load read eight rows at one column offset, which the tile's swizzle
