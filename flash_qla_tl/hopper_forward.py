@@ -275,8 +275,9 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     layout = dict(zip(PREPARED_FIELDS, prepared_layout(total, hqk, hv, q.dtype)))
     new = lambda field, fill=torch.empty: fill(layout[field][0], dtype=layout[field][1], device=device)  # noqa: E731
     if use_qk_l2norm_in_kernel:
-        q_norm, k_norm = (new("q_norm") if query_norms else None), new("k_norm")
+        q_norm, k_norm = None, new("k_norm")
         if query_norms:
+            q_norm = new("q_norm")
             compile_program(build_inverse_norms, hqk, kdim, dtype)(q, q_norm)
     elif store_inverse:  # kept for a backward (saved by autograd, an output of the hub's op): ones of its own
         q_norm = k_norm = new("q_norm", torch.ones)
