@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_forward import OURS, cli, drive, floor_ns_per_token_head, make_problem, parse_heads  # noqa: E402
-from timing import graph_ms, host_us  # noqa: E402
+from timing import graph_ms, host_us, sm_clock_mhz  # noqa: E402
 
 HEADS = [(16, 32), (8, 16), (4, 8), (2, 4), (16, 64)]
 TOTALS = [8192, 32768]
@@ -98,7 +98,8 @@ def run(grid, libs, ceilings, save, check=True):
         grads = output_grads(total, parts, hv)
         name = f"{total}: " + "+".join(map(str, seqs)) if parts > 1 else f"1x{total}"
         row = {"hqk": hqk, "hv": hv, "lengths": name, "mode": mode, "tokens": total,
-               "ms": {}, "host_us": {}, "diff": {}, "peak_gb": {}, "fwd_bwd_ms": {}, "wall_s": {}}
+               "ms": {}, "host_us": {}, "diff": {}, "peak_gb": {}, "fwd_bwd_ms": {}, "wall_s": {},
+               "sm_mhz": {}}
         ours = None
         for lib, fn in libs.items():
             started = time.perf_counter()
@@ -113,6 +114,7 @@ def run(grid, libs, ceilings, save, check=True):
                                        for a, b in zip(got, ours)) if check else None
                 del got
                 row["ms"][lib] = graph_ms(step)
+                row["sm_mhz"][lib] = sm_clock_mhz()  # the clock the timing ended at
                 row["host_us"][lib] = host_us(step)
                 del step
                 try:  # apart: a training step that cannot be captured leaves the backward's time standing
@@ -128,7 +130,7 @@ def run(grid, libs, ceilings, save, check=True):
         row["floor_ns"] = floor_ns_per_token_head(hqk, hv, ceilings, FLOP_PER_TOKEN_HEAD)
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("hqk", "hv", "lengths", "mode", "ms", "fwd_bwd_ms", "diff", "peak_gb",
-                                              "wall_s")}),
+                                              "wall_s", "sm_mhz")}),
               flush=True)
         save(rows)
         del x, ours

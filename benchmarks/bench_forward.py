@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flash_qla_tl  # noqa: E402
 from flash_qla_tl import reference  # noqa: E402
 from flash_qla_tl.programs import parse_head_configs  # noqa: E402
-from timing import CALLS_PER_GRAPH, geomean, graph_ms, host_us, versions  # noqa: E402
+from timing import CALLS_PER_GRAPH, geomean, graph_ms, host_us, sm_clock_mhz, versions  # noqa: E402
 
 HEADS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (16, 16), (32, 32)]
 LENGTHS = {
@@ -171,7 +171,7 @@ def run(grid, libs, ceilings, save, check=True):
                 **{n: t.double() if t.is_floating_point() else t for n, t in x.items()},
                 output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
         row = {"hqk": hqk, "hv": hv, "lengths": name, "mode": mode, "tokens": sum(seqs),
-               "ms": {}, "host_us": {}, "err": {}}
+               "ms": {}, "host_us": {}, "err": {}, "sm_mhz": {}}
         for lib, fn in libs.items():
             try:
                 o, s = call(fn)
@@ -179,6 +179,7 @@ def run(grid, libs, ceilings, save, check=True):
                     row["err"][lib] = {"o": rel_rms(o, ref[0]), "state": rel_rms(s, ref[1])}
                 del o, s
                 row["ms"][lib] = graph_ms(lambda: call(fn))
+                row["sm_mhz"][lib] = sm_clock_mhz()  # the clock the timing ended at
                 row["host_us"][lib] = host_us(lambda: call(fn))
             except Exception as e:  # a peer that fails a config is reported, not hidden
                 row["ms"][lib] = row["host_us"][lib] = None
@@ -226,7 +227,8 @@ def markdown(rows, meta) -> str:
     head = (["(Hqk,Hv)", "lengths", "mode"] + [f"{lib} ms" for lib in libs]
             + [f"{lib} / ours" for lib in libs if lib != OURS] + ["ours ns/token-head", "ours / floor"]
             + [f"{lib} host us" for lib in libs] + ["err o / state vs float64: " + ", ".join(libs)]
-            + ([f"{lib} peak GB" for lib in libs] if "peak_gb" in rows[0] else []))
+            + ([f"{lib} peak GB" for lib in libs] if "peak_gb" in rows[0] else [])
+            + (["SM MHz as timing ended: " + ", ".join(libs)] if "sm_mhz" in rows[0] else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ours = r["ms"][OURS]
@@ -240,6 +242,8 @@ def markdown(rows, meta) -> str:
         cells.append(", ".join(f"{e['o']:.1e} / {e['state']:.1e}" if isinstance(e, dict) else "-" for e in errs))
         if "peak_gb" in r:
             cells += [f"{r['peak_gb'][lib]:.2f}" if r["peak_gb"].get(lib) is not None else "-" for lib in libs]
+        if "sm_mhz" in r:
+            cells.append(", ".join(str(r["sm_mhz"].get(lib) or "-") for lib in libs))
         lines.append("| " + " | ".join(cells) + " |")
     stamp = (f"GPU: {meta['gpu']}; date: {meta['date']}; torch {meta['torch']}, tilelang {meta['tilelang']}, "
              f"fla {meta['fla']} (FLA_FLASH_QLA=0), flash-qla {meta['flash_qla']}; timer: {meta['timer']} "

@@ -59,6 +59,15 @@ def graph_ms(fn, calls: int = CALLS_PER_GRAPH, replays: int = 20, warmup_s: floa
     while time.perf_counter() < deadline:
         graph.replay()
         torch.cuda.synchronize()
+    ms = replay_ms(graph, calls, replays)
+    del graph, outputs
+    torch.cuda.synchronize()
+    return ms
+
+
+def replay_ms(graph, calls: int, replays: int = 20) -> float:
+    """Median GPU milliseconds of ``replays`` replays of ``graph`` (between CUDA events, one at a time), per
+    call of the ``calls`` it holds; no warm-up of its own."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -67,9 +76,21 @@ def graph_ms(fn, calls: int = CALLS_PER_GRAPH, replays: int = 20, warmup_s: floa
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
-    del graph, outputs
-    torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def sm_clock_mhz() -> int | None:
+    """The GPU's SM clock now (MHz, from NVML); None where NVML is not available.
+
+    Read as a measurement returns, it says at what clock the measurement ran: sustained replays of the
+    forward draw the H200's 700 W, and its power management then lowers the SM clock from 1980 MHz to
+    ~1650-1850 (BENCHMARKS.md "Session 37"), so two columns timed at different clocks differ by more than
+    their code.
+    """
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # no pynvml, or a driver without the query
+        return None
 
 
 def host_us(fn, reps: int = 20) -> float:

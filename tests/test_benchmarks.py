@@ -137,3 +137,22 @@ def test_ncu_phases_split_roles_at_their_register_counts_and_phases_at_their_syn
     assert "role 1 (SASS lines 2-5, 0xc0 registers): 90.0% of the samples" in out
     assert "2-    4  44.4%" in out and "wait 75%" in out  # up to the barrier: 40 of the role's 90 samples
     assert "5-    5  55.6%" in out
+
+
+def test_rows_say_at_what_clock_each_column_was_timed():
+    """A column's SM clock, read as its timing ends, is printed beside its time (``-`` where NVML gave
+    nothing), and reading it without a GPU gives nothing rather than failing."""
+    import timing
+
+    ours, peer = bench_forward.OURS, "fla"
+    row = {"hqk": 16, "hv": 32, "lengths": "8192x4", "mode": "normalized", "ms": {ours: 0.5, peer: 0.6},
+           "host_us": {ours: 300.0, peer: 900.0}, "err": {}, "ns_per_token_head": {ours: 0.48, peer: 0.57},
+           "floor_ns": 0.25, "sm_mhz": {ours: 1785, peer: None}}
+    meta = {"gpu": "NVIDIA H200", "date": "2026-12-01", "torch": "2.11.0+cu130", "tilelang": "0.1.15",
+            "fla": "0.6.0", "flash_qla": "0.1.3", "timer": "cuda-graph", "calls_per_graph": 5,
+            "ceilings": {"bytes_per_s": 4.2e12, "flop_per_s": 6.8e14}, "command": "bench"}
+    table = bench_forward.markdown([row], meta)
+    assert f"SM MHz as timing ended: {ours}, {peer}" in table
+    assert table.splitlines()[4].rstrip(" |").endswith("1785, -")
+    if not torch.cuda.is_available():
+        assert timing.sm_clock_mhz() is None
