@@ -4,7 +4,7 @@
     python benchmarks/clock_drift.py --package .ab/NAME/flash_qla_tl ...   # another revision's package
 
 Sustained replays of the forward draw the H200's 700 W board power, and its power management lowers the SM
-clock until the draw fits (1980 MHz idle, ~1650-1850 under load; BENCHMARKS.md "Session 37").  This prints
+clock until the draw fits (1980 MHz idle, 1500-1900 under load; BENCHMARKS.md "Session 37").  This prints
 ``timing.graph_ms`` (the harness's figure) several times in a row, then the same graph timed after the GPU has
 idled a second, each with the clock read as the timing returns: the gap between the two is what the power cap
 costs, and a harness that times short bursts after idling reports the second.  Last, three seconds of

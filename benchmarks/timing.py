@@ -84,7 +84,7 @@ def sm_clock_mhz() -> int | None:
 
     Read as a measurement returns, it says at what clock the measurement ran: sustained replays of the
     forward draw the H200's 700 W, and its power management then lowers the SM clock from 1980 MHz to
-    ~1650-1850 (BENCHMARKS.md "Session 37"), so two columns timed at different clocks differ by more than
+    1500-1900 (BENCHMARKS.md "Session 37"), so two columns timed at different clocks differ by more than
     their code.
     """
     try:
