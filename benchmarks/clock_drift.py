@@ -60,8 +60,7 @@ def parts(hf, x: dict, l2norm: bool) -> dict:
     plan = hf.plan_state_pass(total, cu.numel() - 1, hv, v.device, offsets=hf.forward_offsets(cu, False))
     assert plan.segment_tokens is None, "a plan in segments runs more passes than one"
     prep = lambda: hf.prepare_chunks(  # noqa: E731
-        q, k, v, g, beta, None, l2norm, cu, store_keys=hf.value_correction(plan) == "kbar_loaded",
-        query_norms=not hf.pass_makes_query_norms(plan.block_v, q.shape[2], hv))
+        q, k, v, g, beta, None, l2norm, cu, **hf.preparation(plan, q.shape[2], hv, for_backward=False))
     ops = prep()
     o = torch.empty(total, hv, v.shape[3], dtype=v.dtype, device=v.device)
     state_pass = lambda: hf.state_pass(ops, ops.v, ops.cu_seqlens, h0, True, o, plan)  # noqa: E731

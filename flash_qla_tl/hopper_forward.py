@@ -379,6 +379,17 @@ def kept_segment_shapes(total_tokens: int, num_seqs: int, num_v_heads: int, head
     return (slots, num_v_heads, head_dim_k, head_dim_v), (slots, num_v_heads, head_dim_k, head_dim_k)
 
 
+def preparation(plan: StatePassPlan, num_qk_heads: int, num_v_heads: int, for_backward: bool) -> dict:
+    """:func:`prepare_chunks`' outputs that a forward of ``plan`` asks for (its keyword arguments).
+
+    With a backward to follow, what the backward's own prepare_chunks would make (A0 and A_keys: the same
+    program, the same bits); otherwise ``A_keys`` only where the state passes load them, and the queries'
+    norms only where the output's pass does not make them itself (:func:`pass_makes_query_norms`)."""
+    in_pass = not for_backward and pass_makes_query_norms(plan.block_v, num_qk_heads, num_v_heads)
+    return dict(store_inverse=for_backward, store_keys=for_backward or value_correction(plan) == "kbar_loaded",
+                query_norms=not in_pass)
+
+
 def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, plan: StatePassPlan | None = None,
                   return_kept: bool = False, for_backward: bool = False):
@@ -402,11 +413,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         return returned(o, ht if output_final_state else None)
     total = batch * length
     plan = plan or plan_state_pass(total, num_seqs, hv, v.device, offsets=forward_offsets(cu_seqlens, for_backward))
-    # an inference forward's output pass makes the queries' norms where that pays; a training forward keeps them
-    in_pass = not for_backward and pass_makes_query_norms(plan.block_v, q.shape[2], hv)
-    # what the backward's prepare_chunks would make, where it is to be kept: the same program, the same bits
-    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, store_inverse=for_backward,
-                         store_keys=for_backward or value_correction(plan) == "kbar_loaded", query_norms=not in_pass)
+    ops = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
+                         **preparation(plan, q.shape[2], hv, for_backward))
     device = ops.v.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
     o = torch.empty(total, hv, vdim, dtype=v.dtype, device=device)
