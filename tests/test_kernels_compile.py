@@ -16,7 +16,7 @@ from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
 from flash_qla_tl.kernels.chunk_forward import CORRECTIONS, build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
 from flash_qla_tl.kernels.chunk_pipeline import (
-    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, PREP_REGS, register_split,
+    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, PREP_REGS, WARPGROUP_BARRIERS, register_split,
 )
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
@@ -29,6 +29,7 @@ from flash_qla_tl.kernels.inverse_norms import build_inverse_norms
 from flash_qla_tl.kernels.recurrent_step import RecurrentStepConfig, build_recurrent_step
 from flash_qla_tl.kernels.reverse_state_pass import build_reverse_state_pass
 from flash_qla_tl.kernels.segment_scan import build_segment_scan
+from flash_qla_tl.kernels.transposed_fragments import SOURCE as TRANSPOSED_FRAGMENTS, accumulator_layout
 
 
 SMEM_PER_BLOCK = 227 * 1024  # sm_90's largest opt-in dynamic shared memory per block
@@ -178,6 +179,55 @@ def test_transposed_chain_compiles(hqk, hv, dtype, has_h0, store_ht):
     assert source.count("tl::wgmma_rs<") >= 4 and "state_op" not in shared_buffers(source)
     assert "tma_store(o_desc" in source and shared_memory_used(source) < SMEM_PER_BLOCK
     assert "warpgroup_reg_dealloc<104>" in source  # prep under the launch's 128 a thread lowers its count
+    # V^T comes into registers and O^T leaves by the matrix instructions, V is no GEMM operand, and each chain
+    # warpgroup stores its half of o under its own named barrier
+    assert "fqla::load_transposed(" in source and "fqla::stage_transposed(" in source
+    assert not re.search(r"initialize_wgmma_descriptor<[^>]*>\(\w+, \(&\(\(\((bfloat16_t|half_t)\*\)v_tile\)", source)
+    assert "tl_shuffle_elect<128>" in source
+    for barrier in WARPGROUP_BARRIERS:
+        assert f"tl::__sync_thread_partial({barrier}, 128);" in source
+
+
+def test_transposed_fragments_address_tilelangs_layouts():
+    """The rows each lane hands ``ldmatrix`` / ``stmatrix`` (``.trans``) in transposed_fragments are where
+    TileLang's swizzled tile keeps the tokens and values of the accumulator registers the lane's warp moves:
+    register pair ``reg, reg + 1`` of lane ``t`` (``accumulator_layout``: value row ``i``, tokens ``j, j + 1``) is
+    element ``t // 4`` of block ``m``'s columns ``2 (t % 4)`` and ``+ 1``, each stored at the row that lane
+    ``8 m + column`` addresses.  The addressing is read from the CUDA source itself."""
+    from tilelang import tvm
+    from tilelang.layout import make_swizzled_layout
+
+    token_of = re.search(r"int const token = (.+);", TRANSPOSED_FRAGMENTS).group(1)
+    offset_of = re.search(r"return tile \+ (.+);", TRANSPOSED_FRAGMENTS).group(1)
+    register_of = re.search(r"int const reg = (.+);", TRANSPOSED_FRAGMENTS).group(1)
+    tile = make_swizzled_layout(tvm.tirx.decl_buffer((64, 128), "bfloat16", scope="shared.dyn"))
+    accumulator = accumulator_layout(128, 64)
+    where = {}  # (thread, register) -> (value row, token) of the accumulator
+    for i in range(128):
+        for j in range(64):
+            key = (int(accumulator.map_forward_thread([i, j])[0]), int(accumulator.map_forward_index([i, j])[0]))
+            where[key] = (i, j)
+
+    def tile_offset(token, value):
+        half, rows, inner = (int(x) for x in tile.map_forward_index([token, value]))
+        return half * 4096 + rows * 512 + inner
+
+    def row_address(thread, q):
+        lane = thread % 32
+        names = {"q": q, "lane": lane, "warp": thread // 32 % 4, "group": thread // 128, "block": lane >> 3,
+                 "row": lane & 7}
+        names["token"] = eval(token_of, {}, names)
+        return eval(offset_of, {}, names)
+
+    for thread in range(256):
+        warp_base, lane = thread - thread % 32, thread % 32
+        for q in range(4):
+            for m in range(4):
+                reg = eval(register_of, {}, {"q": q, "m": m})
+                for e in range(2):
+                    value, token = where[(thread, reg + e)]
+                    column = 2 * (lane % 4) + e
+                    assert row_address(warp_base + 8 * m + column, q) + lane // 4 == tile_offset(token, value)
 
 
 @pytest.mark.parametrize("variant", [(128, "in_chain", True), (64, "in_chain"), (128, "kbar_derived"),

@@ -90,14 +90,21 @@ accumulator, so that ``S^T`` and ``U^T`` are the left operands of the chain's GE
 straight from registers (wgmma's register A operand) and neither goes through shared
 memory (48 KB and two hand-offs a chunk at 128 columns)::
 
-    U^T  = V^T Av^T - ((S^T K^T) diag(G rk)) Av^T             (the in-chain correction)
+    W^T  = V^T - (S^T K^T) diag(G rk)                         (the in-chain correction)
+    U^T  = W^T Av^T
     O^T  = diag-scaled S^T Q^T + U^T P^T
     S^T <- exp2(gamma_last) S^T + (U^T diag(exp2(gamma_last - gamma) rk)) K
 
-``V^T`` is a GEMM operand read transposed from shared memory, and only the correction
-term is rounded to ``dtype`` (the narrow form rounds ``W = V - ..`` whole).  ``O^T`` is
-written transposed into a staging tile and leaves by TMA; the initial and
-final states are read and written transposed.  Prep is the in-chain form's (no
+``V^T`` and ``O^T`` cross between the chain's layout (value rows) and their tiles' (token
+rows) by ``ldmatrix`` / ``stmatrix`` with ``.trans`` (transposed_fragments): ``V^T`` straight into
+registers in the accumulators' layout, and each chain warpgroup's half of ``O^T`` into its half
+of a staging tile that it stores by TMA itself, under its own named barrier.  ``W`` is rounded to
+``dtype`` whole, as in the narrow form.  Until session 38 ``V^T Av^T`` was a GEMM of its own
+reading ``V^T`` from shared memory as its left operand, beside ``W`` holding only the rounded
+correction term (o within 4.0e-3 of float64 on the benchmark's inputs, now 4.4e-3), and ``O^T``
+went out element by element: the pass took 336 us instead of 368 at (16,32) 8192x4 under
+sustained replays and 236 mJ a call instead of 252 (H200, BENCHMARKS.md "Session 38").  The
+initial and final states are read and written transposed.  Prep is the in-chain form's (no
 ``Kbar``), which is what lets the chain have 192 registers and prep 104.  The pass took
 371 us against 411 in the form above at (16,32) 8192x4 (H200, 2026-11-28, eager profile;
 BENCHMARKS.md "Session 27").
@@ -154,9 +161,10 @@ def build_chunk_forward(
 
     from .chunk_pipeline import (
         CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES,
-        STATE_ROWS, gate_scores, head_columns, load_gates, query_inverse_norms, register_split, reuse_chain_tile,
-        start_walk, store_chain_tile, zero_rows_past,
+        STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, query_inverse_norms, register_split,
+        reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
     )
+    from .transposed_fragments import SOURCE as TRANSPOSED_FRAGMENTS, accumulator_layout
 
     K, V, C = head_dim_k, head_dim_v, chunk
     assert dtype in ("bfloat16", "float16"), dtype
@@ -168,7 +176,7 @@ def build_chunk_forward(
     assert read_values or not has_initial_state, "the transition pass starts from the identity"
     assert correction in CORRECTIONS, correction
     assert store_output or not query_norms, "only a pass that reads q makes its norms"
-    assert not transposed or (block_v == V and correction == "in_chain" and store_output and read_values
+    assert not transposed or (block_v == V == 128 and correction == "in_chain" and store_output and read_values
                               and not store_chunk_states), "the transposed chain is built for one plan"
     kbar_in_prep, derive_keys = correction != "in_chain", correction == "kbar_derived"
     assert kbar_in_prep or block_v < V or transposed, "the chain's value correction is built for 32 and 64 columns"
@@ -210,6 +218,18 @@ def build_chunk_forward(
                 for i, j in T.Parallel(C, block_v):
                     if end + c * C + i < num_output_rows:
                         o[end + c * C + i, hv, v0 + j] = T.cast(0, dtype)
+
+    @T.macro
+    def store_output_half(out_t, out_stage, o, s, hv, v0, half):
+        """One chain warpgroup's 64 value columns of a whole chunk of ``O^T``: into its half of the staging tile
+        (``stage_transposed``) and out in a TMA store of their own, synchronised by its own named barrier, so that
+        neither warpgroup waits for the other."""
+        T.tma_store_wait(0)  # this half's store of the chunk before has read it
+        T.sync_threads(WARPGROUP_BARRIERS[half], 128)
+        T.call_extern("handle", "fqla::stage_transposed", out_t.access_ptr("r"), T.address_of(out_stage[0, 0]))
+        T.fence_proxy_async()
+        T.sync_threads(WARPGROUP_BARRIERS[half], 128)
+        T.tma_copy(out_stage[:, 64 * half : 64 * half + 64], o[s : s + C, hv, v0 + 64 * half : v0 + 64 * half + 64])
 
     @T.prim_func
     def chunk_forward(
@@ -275,6 +295,10 @@ def build_chunk_forward(
             # The chain's tensor-core operands.
             if transposed:  # in registers; only o goes through shared memory
                 out_stage = T.alloc_shared([C, block_v], dtype)
+                # Both are moved by transposed_fragments' matrix instructions, which address this layout; no GEMM
+                # reads them to give them one.
+                T.annotate_layout({out_stage: make_swizzled_layout(out_stage), v_tile: make_swizzled_layout(v_tile)})
+                T.import_source(TRANSPOSED_FRAGMENTS)
             else:
                 state_op = T.alloc_shared([K, block_v], dtype)  # S
                 u_op = T.alloc_shared([C, block_v], dtype)  # U
@@ -292,6 +316,8 @@ def build_chunk_forward(
                 w_t_op = T.alloc_fragment([block_v, C], dtype)  # -(S^T K^T) diag(G rk), then U^T decayed
                 u_t_op = T.alloc_fragment([block_v, C], dtype)  # U^T
                 out_t = T.alloc_fragment([block_v, C], accum)  # O^T
+                v_t = T.alloc_fragment([block_v, C], dtype)  # V^T, in the accumulators' layout
+                T.annotate_layout({v_t: accumulator_layout(block_v, C)})
             else:
                 state = T.alloc_fragment([K, block_v], accum)
                 u = T.alloc_fragment([C, block_v], accum)
@@ -329,20 +355,22 @@ def build_chunk_forward(
                                      policy=STATE_ROWS)
                         T.wgmma_gemm(state_t_op, q_tile[st, :, :], out_t, transpose_B=True, clear_accum=True,
                                      policy=STATE_ROWS)
+                        T.call_extern("handle", "fqla::load_transposed", T.address_of(v_tile[st, 0, 0]),
+                                      v_t.access_ptr("w"))
                         T.wait_wgmma(0)
-                        # U^T = V^T Av^T + (-(S^T K^T) diag(G rk)) Av^T: V^T as a GEMM operand read transposed from
-                        # shared memory (no elementwise read of V across its rows), the correction rounded alone
+                        # U^T = W^T Av^T with W^T = V^T - (S^T K^T) diag(G rk), rounded to dtype whole
                         for i, j in T.Parallel(block_v, C):
-                            u_t[i, j] = -key_gate[st, j] * u_t[i, j]
+                            u_t[i, j] = T.cast(v_t[i, j], accum) - key_gate[st, j] * u_t[i, j]
                         T.copy(u_t, w_t_op)
-                        T.wgmma_gemm(v_tile[st, :, :], a_values_tile[st, :, :], u_t, transpose_A=True, transpose_B=True,
-                                     clear_accum=True, policy=STATE_ROWS)
-                        T.wgmma_gemm(w_t_op, a_values_tile[st, :, :], u_t, transpose_B=True, policy=STATE_ROWS)
+                        T.wgmma_gemm(w_t_op, a_values_tile[st, :, :], u_t, transpose_B=True, clear_accum=True,
+                                     policy=STATE_ROWS)
                         T.wait_wgmma(0)
                         T.barrier_arrive(first_round_read[st])  # q, v and A_values are read
-                        # U^T's columns past n are other tokens': masked, then the state update's copy decayed.
-                        for i, j in T.Parallel(block_v, C):
-                            u_t[i, j] = T.Select(j < n, u_t[i, j], T.float32(0))
+                        # U^T's columns past n (a sequence's short last chunk) are other tokens': masked, then the
+                        # state update's copy decayed.
+                        if n < C:
+                            for i, j in T.Parallel(block_v, C):
+                                u_t[i, j] = T.Select(j < n, u_t[i, j], T.float32(0))
                         T.copy(u_t, u_t_op)
                         for i, j in T.Parallel(block_v, C):
                             u_t[i, j] = u_t[i, j] * decay_to_end[st, j]
@@ -360,10 +388,10 @@ def build_chunk_forward(
                         T.wait_wgmma(0)
                         T.barrier_arrive(consumed[st])
                         if n == C:  # O^T written transposed into the staging tile, out by TMA
-                            reuse_chain_tile()
-                            for i, j in T.Parallel(block_v, C):
-                                out_stage[j, i] = out_t[i, j]
-                            store_chain_tile(out_stage, o[s : s + C, hv, v0 : v0 + block_v])
+                            if tx < 128:  # the branches tell TileLang which warpgroup's thread issues the store
+                                store_output_half(out_t, out_stage, o, s, hv, v0, 0)
+                            else:
+                                store_output_half(out_t, out_stage, o, s, hv, v0, 1)
                         else:
                             for i, j in T.Parallel(block_v, C):
                                 if j < n:

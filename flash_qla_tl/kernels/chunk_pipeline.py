@@ -30,6 +30,8 @@ STAGES = 2
 # last of the 16 hardware barriers stays clear of that (3 collided with prep's 128-thread syncs once the chain
 # had no sync of TileLang's own: an illegal instruction; compile.check_named_barriers).
 CHAIN_BARRIER = 15
+# Named barriers of each chain warpgroup alone (the transposed chain's output halves, chunk_forward), below it.
+WARPGROUP_BARRIERS = (CHAIN_BARRIER - 1, CHAIN_BARRIER - 2)
 # The warp policy of the chain's GEMMs into a state-shaped accumulator (K x block_v, K = 128): a chain
 # warpgroup per 64 rows.  TileLang's default splits these by columns, so both warpgroups read all of the
 # left operand (K^T, Q^T, Kbar^T: 128 x 64) and issue twice the instructions at half the width.
