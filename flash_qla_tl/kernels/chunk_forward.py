@@ -313,7 +313,7 @@ def build_chunk_forward(
                 state_t = T.alloc_fragment([block_v, K], accum)  # S^T
                 state_t_op = T.alloc_fragment([block_v, K], dtype)
                 u_t = T.alloc_fragment([block_v, C], accum)  # S^T K^T, then U^T
-                w_t_op = T.alloc_fragment([block_v, C], dtype)  # -(S^T K^T) diag(G rk), then U^T decayed
+                w_t_op = T.alloc_fragment([block_v, C], dtype)  # W^T = V^T - (S^T K^T) diag(G rk), then U^T decayed
                 u_t_op = T.alloc_fragment([block_v, C], dtype)  # U^T
                 out_t = T.alloc_fragment([block_v, C], accum)  # O^T
                 v_t = T.alloc_fragment([block_v, C], dtype)  # V^T, in the accumulators' layout
