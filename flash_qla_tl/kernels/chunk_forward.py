@@ -224,12 +224,11 @@ def build_chunk_forward(
         """One chain warpgroup's 64 value columns of a whole chunk of ``O^T``: into its half of the staging tile
         (``stage_transposed``) and out in a TMA store of their own, synchronised by its own named barrier, so that
         neither warpgroup waits for the other."""
-        T.tma_store_wait(0)  # this half's store of the chunk before has read it
-        T.sync_threads(WARPGROUP_BARRIERS[half], 128)
+        barrier = WARPGROUP_BARRIERS[half]
+        reuse_chain_tile(barrier, 128)  # this half's store of the chunk before has read it
         T.call_extern("handle", "fqla::stage_transposed", out_t.access_ptr("r"), T.address_of(out_stage[0, 0]))
-        T.fence_proxy_async()
-        T.sync_threads(WARPGROUP_BARRIERS[half], 128)
-        T.tma_copy(out_stage[:, 64 * half : 64 * half + 64], o[s : s + C, hv, v0 + 64 * half : v0 + 64 * half + 64])
+        store_chain_tile(out_stage[:, 64 * half : 64 * half + 64],
+                         o[s : s + C, hv, v0 + 64 * half : v0 + 64 * half + 64], barrier, 128)
 
     @T.prim_func
     def chunk_forward(

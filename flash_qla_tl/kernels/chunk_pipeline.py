@@ -161,9 +161,11 @@ def start_walk(state, start, v0, rows, cols, transition_pass, has_start):
 
 
 @T.macro
-def publish_chain_tile():
+def publish_chain_tile(barrier=CHAIN_BARRIER, threads=CHAIN_THREADS):
     """After every chain thread has written its part of a shared tile, before a GEMM or a TMA store reads it
-    whole: the writes leave the generic proxy, and both chain warpgroups have made theirs.
+    whole: the writes leave the generic proxy, and both chain warpgroups have made theirs (or, with one
+    warpgroup's ``barrier`` and 128 ``threads``, that warpgroup has made its own: the transposed chain's halves
+    of ``o``, chunk_forward).
 
     A GEMM of one chain warpgroup commonly reads the other's part (a state-shaped
     accumulator is split by rows, its operand read by columns).  TileLang inserts such a
@@ -174,24 +176,25 @@ def publish_chain_tile():
     the state passes' generated code.
     """
     T.fence_proxy_async()  # the generic-proxy writes, before the async proxy (wgmma, TMA) reads them
-    T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+    T.sync_threads(barrier, threads)
 
 
 @T.macro
-def store_chain_tile(tile, dest):
-    """``tile`` (shared, just written by every chain thread) to ``dest`` in one TMA store, published first.
+def store_chain_tile(tile, dest, barrier=CHAIN_BARRIER, threads=CHAIN_THREADS):
+    """``tile`` (shared, just written by the chain threads that ``barrier`` syncs) to ``dest`` in one TMA store,
+    published first.
 
     One thread issues it and nobody waits for it until the tile is written again
     (:func:`reuse_chain_tile`).  The chain's own per-thread stores of an accumulator
     (4 bytes, 8 rows per instruction) held it for a third of a chunk's cycles
     (chunk_forward's ``o``, notes/forward-budget.md).
     """
-    publish_chain_tile()
+    publish_chain_tile(barrier, threads)
     T.tma_copy(tile, dest)
 
 
 @T.macro
-def reuse_chain_tile():
+def reuse_chain_tile(barrier=CHAIN_BARRIER, threads=CHAIN_THREADS):
     """Before a tile of :func:`store_chain_tile` is written again: its store has read it."""
     T.tma_store_wait(0)
-    T.sync_threads(CHAIN_BARRIER, CHAIN_THREADS)
+    T.sync_threads(barrier, threads)
