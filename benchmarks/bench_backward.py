@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_forward import OURS, cli, drive, floor_ns_per_token_head, make_problem, parse_heads  # noqa: E402
+from bench_forward import (  # noqa: E402
+    BACKWARD_PEERS, OURS, cli, drive, floor_ns_per_token_head, make_problem, parse_heads, peer_names)
 from timing import graph_ms, host_us, sm_clock_mhz  # noqa: E402
 
 HEADS = [(16, 32), (8, 16), (4, 8), (2, 4), (16, 64)]
@@ -144,7 +145,7 @@ def main():
     if args.quick:
         grid = [g for g in grid if g[0] == (16, 32) and g[2] in (1, 8)]
     drive("backward", grid, functools.partial(run, check=not args.no_check), args.out, args.candidate,
-          not args.no_peers)
+          peer_names(args, BACKWARD_PEERS))
 
 
 if __name__ == "__main__":

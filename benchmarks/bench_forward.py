@@ -3,6 +3,7 @@
     python benchmarks/bench_forward.py --out results/            # the Qwen3.5 grid of issue 3, both modes
     python benchmarks/bench_forward.py --quick                    # a few rows
     python benchmarks/bench_forward.py --heads 16x32 --lengths 8192x4,1x2048 --modes l2norm
+    python benchmarks/bench_forward.py --peers flashinfer         # one peer (FlashInfer: benchmarks/stage_flashinfer.sh)
 
 Peers (each a column, labelled by what really ran):
   * ``flash-qla-tl@NAME`` (with ``--candidate NAME=DIR``, repeatable; a bare
@@ -12,7 +13,9 @@ Peers (each a column, labelled by what really ran):
     the same inputs in one process;
   * ``fla``: fla-core's Triton kernels with ``FLA_FLASH_QLA=0`` (set before import),
     so that fla does not hand the call to flash-qla;
-  * ``flash-qla``: the flash-qla package's own ``chunk_gated_delta_rule``.
+  * ``flash-qla``: the flash-qla package's own ``chunk_gated_delta_rule``;
+  * ``flashinfer``: FlashInfer's GDN prefill (``flashinfer.gdn_prefill``; on Hopper its fused CuTe DSL
+    kernel), given the inputs in its own conventions (``FlashInferForward``).
 
 Protocol (issue 13): every library in this process on the same inputs: K = V =
 128, bf16, packed with cu_seqlens, an initial state and the final state on,
@@ -37,6 +40,7 @@ import importlib.util
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")  # before fla is imported: time fla's own kernels
@@ -82,23 +86,63 @@ def load_candidate(package_dir: Path, label: str = "candidate"):
     return module
 
 
-def peers(candidates: list[tuple[str, Path]] = (), others: bool = True) -> dict:
-    """Ours, the ``candidates``, and (``others``) fla and flash-qla where they import."""
+class FlashInferForward:
+    """FlashInfer's ``chunk_gated_delta_rule`` behind fla's signature, as the protocol calls every library.
+
+    FlashInfer takes the tokens without the batch axis, the gate linear (``alpha = exp(g)``) and the state as
+    ``[N, H, V, K]``; a model that runs it produces its gate and keeps its state cache that way.  So the gate and
+    the initial state are converted on the first call with given tensors and kept (the conversions are not
+    FlashInfer's time: a graph captured after that first call holds FlashInfer's launches only); the batch axis
+    and the final state's transposition are views.  Its l2norm of q and k (``use_qk_l2norm_in_kernel``) is its
+    own and is timed."""
+
+    def __init__(self):
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule
+        self.prefill = chunk_gated_delta_rule
+        self.kept = {}
+
+    def converted(self, name, tensor, convert):
+        """``convert(tensor)``, made once per tensor (held by a weak reference, so a new row's inputs, even at a
+        freed one's address, are converted anew)."""
+        ref, value = self.kept.get(name, (None, None))
+        if ref is None or ref() is not tensor:
+            value = convert(tensor)
+            self.kept[name] = (weakref.ref(tensor), value)
+        return value
+
+    def __call__(self, q, k, v, g, beta, cu_seqlens, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, scale=None):
+        alpha = self.converted("alpha", g, lambda t: t[0].exp())
+        h0 = None if initial_state is None else self.converted(
+            "h0", initial_state, lambda t: t.transpose(-1, -2).contiguous())
+        out = self.prefill(q[0], k[0], v[0], alpha, beta[0], scale=scale, initial_state=h0,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        if not output_final_state:
+            return out.unsqueeze(0)
+        o, state = out
+        return o.unsqueeze(0), state.transpose(-1, -2)
+
+
+FORWARD_PEERS = ("fla", "flash-qla", "flashinfer")
+BACKWARD_PEERS = ("fla", "flash-qla")  # FlashInfer's GDN prefill has no backward
+
+
+def peers(candidates: list[tuple[str, Path]] = (), names=FORWARD_PEERS) -> dict:
+    """Ours, the ``candidates``, and the peers of ``names`` that import."""
     libs = {OURS: flash_qla_tl.chunk_gated_delta_rule}
     for label, package_dir in candidates:
         libs[f"{OURS}@{label}"] = load_candidate(package_dir, label).chunk_gated_delta_rule
-    if not others:
-        return libs
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
-        libs["fla"] = fla_fn
-    except ImportError as e:
-        print(f"fla not available: {e}")
-    try:
-        from flash_qla import chunk_gated_delta_rule as fqla_fn
-        libs["flash-qla"] = fqla_fn
-    except ImportError as e:
-        print(f"flash-qla not available: {e}")
+    imports = {
+        "fla": lambda: importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule,
+        "flash-qla": lambda: importlib.import_module("flash_qla").chunk_gated_delta_rule,
+        "flashinfer": FlashInferForward,
+    }
+    for name in names:
+        try:
+            libs[name] = imports[name]()
+        except (ImportError, OSError, RuntimeError) as e:  # absent, or its native parts do not load here
+            print(f"{name} not available: {type(e).__name__}: {e}")
     return libs
 
 
@@ -246,7 +290,8 @@ def markdown(rows, meta) -> str:
             cells.append(", ".join(str(r["sm_mhz"].get(lib) or "-") for lib in libs))
         lines.append("| " + " | ".join(cells) + " |")
     stamp = (f"GPU: {meta['gpu']}; date: {meta['date']}; torch {meta['torch']}, tilelang {meta['tilelang']}, "
-             f"fla {meta['fla']} (FLA_FLASH_QLA=0), flash-qla {meta['flash_qla']}; timer: {meta['timer']} "
+             f"fla {meta['fla']} (FLA_FLASH_QLA=0), flash-qla {meta['flash_qla']}, "
+             f"flashinfer {meta.get('flashinfer', 'absent')}; timer: {meta['timer']} "
              f"({meta['calls_per_graph']} calls per graph, median replay); ceilings measured: "
              f"{meta['ceilings']['bytes_per_s'] / 1e12:.2f} TB/s copy, {meta['ceilings']['flop_per_s'] / 1e12:.0f} "
              f"TFLOP/s bf16; command: `{meta['command']}`")
@@ -284,6 +329,7 @@ def cli(doc: str, tokens: list | None = None) -> argparse.Namespace:
                    help="skip checking each row's outputs (the forward: against float64; the backward: against ours)")
     p.add_argument("--no-peers", action="store_true",
                    help="time our revisions only (an A/B of --candidate's: the peers' columns would not change)")
+    p.add_argument("--peers", help="comma-separated peers to time (default: every one that imports)")
     p.add_argument("--candidate", type=parse_candidate, action="append", default=[],
                    help="NAME=DIR: a flash_qla_tl package directory of another revision, timed as its own "
                         "column flash-qla-tl@NAME (repeatable; a bare DIR is named candidate)")
@@ -314,10 +360,23 @@ def single_problem(doc: str, heads: str, lengths: str, add_options=None):
     return args, (hqk, hv), make_problem(hqk, hv, parse_lengths(args.lengths))
 
 
-def drive(kind: str, grid: list, run, out: Path, candidates: list[tuple[str, Path]] = (), others: bool = True):
-    """Measure ``grid`` with ``run`` against the peers (``others``) and ``candidates`` (see
-    ``load_candidate``); write ``<kind>.json/.md/.png`` under ``out``."""
-    libs = peers(candidates, others)
+def peer_names(args, every: tuple) -> tuple:
+    """The peers ``cli``'s options ask for, of ``every`` one a benchmark has."""
+    if args.no_peers:
+        return ()
+    if not args.peers:
+        return every
+    names = tuple(args.peers.split(","))
+    unknown = [n for n in names if n not in every]
+    if unknown:
+        raise SystemExit(f"--peers: unknown {unknown}; this benchmark's peers are {list(every)}")
+    return names
+
+
+def drive(kind: str, grid: list, run, out: Path, candidates: list[tuple[str, Path]] = (), names=FORWARD_PEERS):
+    """Measure ``grid`` with ``run`` against the peers of ``names`` and ``candidates`` (see ``load_candidate``);
+    write ``<kind>.json/.md/.png`` under ``out``."""
+    libs = peers(candidates, names)
     ceilings = measure_ceilings()
     meta = {"timer": "cuda-graph", "calls_per_graph": CALLS_PER_GRAPH, "gpu": torch.cuda.get_device_name(),
             "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
@@ -344,7 +403,7 @@ def main():
     if args.quick:
         grid = [g for g in grid if g[0] in ((2, 8), (16, 32)) and g[1] in ("1x32768", "8192x4")]
     drive("forward", grid, functools.partial(run, check=not args.no_check), args.out, args.candidate,
-          not args.no_peers)
+          peer_names(args, FORWARD_PEERS))
 
 
 if __name__ == "__main__":

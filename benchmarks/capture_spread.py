@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_backward import backward_step, output_grads  # noqa: E402
-from bench_forward import MODES, make_problem, parse_heads, parse_lengths, peers  # noqa: E402
+from bench_forward import (  # noqa: E402
+    BACKWARD_PEERS, FORWARD_PEERS, MODES, make_problem, parse_heads, parse_lengths, peers)
 from timing import graph_ms  # noqa: E402
 
 
@@ -44,7 +45,8 @@ def main():
     x = make_problem(hqk, hv, seqs, args.mode)
     l2norm = args.mode == "l2norm"
     calls = {}
-    for lib, fn in peers(others=not args.no_peers).items():
+    names = () if args.no_peers else BACKWARD_PEERS if args.backward else FORWARD_PEERS
+    for lib, fn in peers(names=names).items():
         if args.backward:
             calls[lib] = backward_step(fn, x, output_grads(sum(seqs), len(seqs), hv), l2norm)
         else:

@@ -27,6 +27,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the image lacks: transformers, 
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+# FlashInfer, a peer of bench_forward.py (benchmarks/stage_flashinfer.sh): its parts come over several calls
+# (64 MiB a call) and are kept in /tmp/fi-parts; the set is unpacked once, when every checksum matches.
+if [ -f .fi/SHA256SUMS ]; then
+  mkdir -p /tmp/fi-parts && cp .fi/SHA256SUMS /tmp/fi-parts/ && cp .fi/part-* /tmp/fi-parts/ 2>/dev/null
+  if [ ! -f /tmp/fi-site/.ready ]; then
+    if (cd /tmp/fi-parts && sha256sum --quiet --status -c SHA256SUMS); then
+      mkdir -p /tmp/fi-site && cat /tmp/fi-parts/part-* | tar -C /tmp/fi-site -xJf - && touch /tmp/fi-site/.ready
+    else
+      echo "flashinfer: $(cd /tmp/fi-parts && ls part-* 2>/dev/null | wc -l) of $(wc -l < .fi/SHA256SUMS) parts here"
+    fi
+  fi
+fi
+if [ -f /tmp/fi-site/.ready ]; then
+  export PYTHONPATH=$PYTHONPATH:/tmp/fi-site:/tmp/fi-site/nvidia_cutlass_dsl/dsl_packages
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 touch /tmp/run-started  # what the compile caches gained since (step savecache)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
@@ -47,10 +62,12 @@ candidates() { for c in ${CANDIDATE:-}; do printf -- '--candidate %s ' "$c"; don
 for step in $steps; do
   echo "=== $step"
   case $step in
-    precompile) # the GPU tests' programs, compiled side by side (pytest compiles one at a time)
+    precompile) # the GPU tests' programs, compiled side by side (pytest compiles one at a time);
+                # PRECOMPILE_KERNELS=forward: only the forward's (before fwdtests alone)
       for args in "--heads 2x8,1x4,2x4 --all-flags" "--heads 2x8 --dtypes float16 --all-flags" \
                   "--heads 16x64,16x48,16x32,16x16,8x32,2x2,1x2,2x6,1x1,4x16,8x16,4x8"; do
-        python scripts/precompile.py $args --kernels forward,backward --jobs 15 2>&1 | grep -v INFO | tail -1
+        python scripts/precompile.py $args --kernels ${PRECOMPILE_KERNELS:-forward,backward} --jobs 15 2>&1 \
+          | grep -v INFO | tail -1
       done ;;
     warm)  # WARM_HEADS' programs (every flag, forward and backward) side by side before a benchmark of them
       python scripts/precompile.py --heads ${WARM_HEADS:?HqkxHv,...} --all-flags --kernels forward,backward --jobs 15 \
@@ -94,10 +111,15 @@ for step in $steps; do
     # CANDIDATE (full, bwd): other revisions' package directories, NAME=DIR separated by spaces, e.g.
     # main=.ab/main/flash_qla_tl from `mkdir -p .ab/main && git archive main flash_qla_tl | tar -x -C
     # .ab/main` (.ab is ignored: name it in the call's carry), each timed as its own column beside ours;
-    # NO_PEERS=1: our revisions only (an A/B; the peers' columns would not change); BENCH_MODES: one mode
+    # NO_PEERS=1: our revisions only (an A/B; the peers' columns would not change); PEERS: the peers to time
+    # (comma-separated: fla, flash-qla, flashinfer; default every one that imports); BENCH_MODES: one mode
     full)  python benchmarks/bench_forward.py --out "$OUT/bench" ${BENCH_HEADS:+--heads $BENCH_HEADS} $(candidates) \
              ${BENCH_LENGTHS:+--lengths $BENCH_LENGTHS} ${BENCH_MODES:+--modes $BENCH_MODES} \
-             ${NO_PEERS:+--no-peers} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
+             ${NO_PEERS:+--no-peers} ${PEERS:+--peers $PEERS} 2>&1 | tee "$OUT/bench.log" | grep -v INFO | tail -75 ;;
+    flashinfer) # FlashInfer's column beside ours on short rows with edge lengths, checked against float64: a
+                # first look after its parts arrive (it compiles its kernel through the CuTe DSL on first use)
+      python benchmarks/bench_forward.py --out "$OUT/flashinfer" --heads ${FI_HEADS:-16x32} \
+        --lengths ${FI_LENGTHS:-1000+24+0+1} --peers flashinfer 2>&1 | grep -v INFO | tee "$OUT/flashinfer.log" | tail -12 ;;
     fwdtests) timeout 420 $pytest_cmd -m gpu -q -rf --timeout 300 --timeout-method thread tests/test_hopper_forward.py \
              ${FWD_TESTS_K:+-k "$FWD_TESTS_K"} 2>&1 \
              | tee "$OUT/gpu-tests-forward.log" | tail -30 ;;

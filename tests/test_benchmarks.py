@@ -156,3 +156,66 @@ def test_rows_say_at_what_clock_each_column_was_timed():
     assert table.splitlines()[4].rstrip(" |").endswith("1785, -")
     if not torch.cuda.is_available():
         assert timing.sm_clock_mhz() is None
+
+
+def flashinfer_convention_prefill(q, k, v, alpha, beta, scale=None, initial_state=None, output_final_state=False,
+                                  cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    """The recurrence in FlashInfer's conventions, token by token: no batch axis, the gate linear, the state
+    ``[N, H, V, K]`` (``S <- alpha S;  S <- S + beta (v - S k) k^T;  o = scale S q``), value heads grouped over
+    the q/k heads."""
+    hqk, hv, kdim = q.shape[1], v.shape[1], q.shape[2]
+    scale = kdim ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q, k = (x.repeat_interleave(hv // hqk, dim=1).double() for x in (q, k))
+    o = torch.empty(v.shape, dtype=torch.float64)
+    states = []
+    for n in range(len(cu_seqlens) - 1):
+        state = initial_state[n].double().clone()
+        for t in range(int(cu_seqlens[n]), int(cu_seqlens[n + 1])):
+            state *= alpha[t].double()[:, None, None]
+            error = v[t].double() - torch.einsum("hvk,hk->hv", state, k[t])
+            state += beta[t].double()[:, None, None] * error[:, :, None] * k[t][:, None, :]
+            o[t] = scale * torch.einsum("hvk,hk->hv", state, q[t])
+        states.append(state)
+    return (o, torch.stack(states)) if output_final_state else o
+
+
+def test_flashinfer_column_gets_the_inputs_in_flashinfer_conventions(monkeypatch):
+    """``FlashInferForward`` hands FlashInfer the tokens without the batch axis, ``alpha = exp(g)`` and the state
+    as ``[N, H, V, K]``, and gives its outputs back in fla's layout: with a prefill written in those conventions
+    it matches the float64 reference; the gate and the state are converted once per input tensor."""
+    import types
+
+    from flash_qla_tl import reference
+
+    seen = []
+
+    def prefill(q, k, v, alpha, beta, **kw):
+        seen.append((alpha, kw["initial_state"]))
+        return flashinfer_convention_prefill(q, k, v, alpha, beta, **kw)
+
+    module = types.ModuleType("flashinfer.gdn_prefill")
+    module.chunk_gated_delta_rule = prefill
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.gdn_prefill", module)
+    column = bench_forward.peers(names=("flashinfer",))["flashinfer"]
+    for l2norm in (False, True):
+        x = make_inputs(seqs=[5, 0, 19], hqk=2, hv=4, kdim=8, vdim=8, initial_state=True, seed=int(l2norm))
+        want = reference.chunked_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        for _ in range(2):
+            got = column(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+            assert all(torch.allclose(a, b, rtol=0, atol=1e-10) for a, b in zip(got, want))
+        assert seen[-1][0] is seen[-2][0] and seen[-1][1] is seen[-2][1]  # kept, not converted again
+    assert seen[0][0] is not seen[-1][0]  # another row's gate is its own
+
+
+def test_peers_are_chosen_by_name():
+    """``--peers`` picks the columns (``--no-peers`` none); a name the benchmark lacks is refused; the backward
+    has no FlashInfer column."""
+    args = argparse.Namespace(no_peers=False, peers="flashinfer,fla")
+    assert bench_forward.peer_names(args, bench_forward.FORWARD_PEERS) == ("flashinfer", "fla")
+    assert bench_forward.peer_names(argparse.Namespace(no_peers=True, peers=None), bench_forward.FORWARD_PEERS) == ()
+    with pytest.raises(SystemExit, match="flashinfer"):
+        bench_forward.peer_names(args, bench_forward.BACKWARD_PEERS)
+    assert "flashinfer" not in bench_forward.BACKWARD_PEERS

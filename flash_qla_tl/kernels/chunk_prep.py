@@ -408,7 +408,12 @@ def build_chunk_prep(
                 # they hold reaches only the Gram matrix's rows and columns >= n, masked below.
                 T.tma_copy(k[s : s + C, qk_head, :], k_tile, barrier=keys_loaded)
                 T.barrier_arrive(keys_loaded)
-                for h, r in T.Parallel(G, C):
+                # Heads fastest across threads: a token's G gates are adjacent in memory, so a warp's load
+                # touches 32 / G rows of g and beta, not 32 (tokens fastest fetched a 32-byte sector for each
+                # thread's 4 bytes: 57% of the kernel's L2 sectors were excess, ncu).  chunk_prep 141.8 -> 133.7
+                # us at (16,32) 8192x4 (G = 2), 67.4 -> 61.3 at (16,64) 4096+4096 (G = 4), H200, BENCHMARKS.md
+                # "Session 41".
+                for r, h in T.Parallel(C, G):
                     beta_tile[h, r] = T.if_then_else(r < n, beta[s + r, head0 + h], T.float32(0))
                     gamma_tile[h, r] = T.if_then_else(r < n, g[s + r, head0 + h], T.float32(0))
                 for r in T.Parallel(C):
@@ -420,7 +425,7 @@ def build_chunk_prep(
                 T.barrier_wait(keys_loaded, 0)
                 # Sum in natural log, then change base once: gamma_r = log2(e) * sum_{j<=r} g_j.
                 T.cumsum(src=gamma_tile, dim=1)
-                for h, r in T.Parallel(G, C):
+                for r, h in T.Parallel(C, G):
                     if r < n:
                         gamma[s + r, head0 + h] = gamma_tile[h, r] * LOG2_E
 
