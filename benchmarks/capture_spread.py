@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_backward import backward_step, output_grads  # noqa: E402
 from bench_forward import (  # noqa: E402
-    BACKWARD_PEERS, FORWARD_PEERS, MODES, make_problem, parse_heads, parse_lengths, peers)
+    BACKWARD_PEERS, FORWARD_PEERS, MODES, make_problem, parse_heads, parse_lengths, peer_names, peers)
 from timing import graph_ms  # noqa: E402
 
 
@@ -39,14 +39,14 @@ def main():
     p.add_argument("--backward", action="store_true",
                    help="time the backward alone (bench_backward.py's call) instead of the forward")
     p.add_argument("--no-peers", action="store_true", help="this library only")
+    p.add_argument("--peers", help="comma-separated peers to time (default: every one that imports)")
     args = p.parse_args()
     (hqk, hv), = parse_heads(args.heads, [])
     seqs = parse_lengths(args.lengths)
     x = make_problem(hqk, hv, seqs, args.mode)
     l2norm = args.mode == "l2norm"
     calls = {}
-    names = () if args.no_peers else BACKWARD_PEERS if args.backward else FORWARD_PEERS
-    for lib, fn in peers(names=names).items():
+    for lib, fn in peers(names=peer_names(args, BACKWARD_PEERS if args.backward else FORWARD_PEERS)).items():
         if args.backward:
             calls[lib] = backward_step(fn, x, output_grads(sum(seqs), len(seqs), hv), l2norm)
         else:

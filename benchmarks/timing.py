@@ -137,4 +137,5 @@ def versions() -> dict:
     """Versions of torch and of every library a benchmark may time ("absent" when not installed)."""
     get = lambda name: md.version(name) if any(True for _ in md.distributions(name=name)) else "absent"
     return {"torch": torch.__version__, "tilelang": get("tilelang"), "fla": get("fla-core"),
-            "flash_qla": get("flash-qla"), "flashinfer": get("flashinfer-python"), "transformers": get("transformers"), "kernels": get("kernels")}
+            "flash_qla": get("flash-qla"), "flashinfer": get("flashinfer-python"), "transformers": get("transformers"),
+            "kernels": get("kernels")}
