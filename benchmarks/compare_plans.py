@@ -2,6 +2,7 @@
 
     python benchmarks/compare_plans.py --heads 2x8,4x16,16x32 --lengths 1x32768,16384+16384
     python benchmarks/compare_plans.py --backward --heads 2x8,16x32 --lengths 1x32768 --fill 2 --min-split 2
+    python benchmarks/compare_plans.py --heads 16x32 --lengths 1x32768 --first-pass-apart --no-fla
 
 For each problem (issue 3's inputs, ``bench_forward.make_problem``) it times our
 forward under every plan (block_v 128, 64 or 32, with or without context
@@ -69,6 +70,8 @@ def main():
     p.add_argument("--min-segment-tokens", type=int, default=context_parallel.MIN_SEGMENT_TOKENS,
                    help="the shortest segments tried (a multiple of 64)")
     p.add_argument("--no-fla", action="store_true", help="ours only (fla's first calls compile for minutes)")
+    p.add_argument("--first-pass-apart", action="store_true",
+                   help="also time whole-head segment plans with their first pass as two launches")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()} {versions()}")
     fla = None
@@ -88,14 +91,17 @@ def main():
                                                        args.min_split, args.fill, args.min_segment_tokens))
             else:
                 row = compare_forward(x, hv, seqs, plans(total, len(seqs), hv, sms, hopper_forward.BLOCK_WIDTHS,
-                                                         args.min_split, args.fill, args.min_segment_tokens))
+                                                         args.min_split, args.fill, args.min_segment_tokens),
+                                      args.first_pass_apart)
                 if fla is not None:
                     ms = graph_ms(lambda: fla(**x, output_final_state=True, use_qk_l2norm_in_kernel=True))
                     row.append(f"fla {ms:.3f}")
             print(f"({hqk},{hv}) {name:>12}: " + " | ".join(row), flush=True)
 
 
-def compare_forward(x, hv, seqs, candidates) -> list[str]:
+def compare_forward(x, hv, seqs, candidates, first_pass_apart=False) -> list[str]:
+    """The forward under each plan; with ``first_pass_apart``, plans whose first pass is one launch
+    (``hopper_forward.has_joint_first_pass``) also with its two walks as two launches (``/apart``)."""
     kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
     chosen = hopper_forward.plan_state_pass(sum(seqs), len(seqs), hv, x["v"].device,
                                             offsets=planning.host_offsets(x["cu_seqlens"]))
@@ -105,6 +111,13 @@ def compare_forward(x, hv, seqs, candidates) -> list[str]:
     for label, plan in candidates.items():
         ms = graph_ms(lambda: hopper_forward.chunk_forward(**x, **kw, plan=plan))
         row.append(f"{label}{'*' if plan == chosen else ''} {ms:.3f}")
+        if first_pass_apart and hopper_forward.has_joint_first_pass(plan):
+            joint = hopper_forward.joint_first_pass
+            hopper_forward.joint_first_pass = lambda *args: None
+            try:
+                row.append(f"{label}/apart {graph_ms(lambda: hopper_forward.chunk_forward(**x, **kw, plan=plan)):.3f}")
+            finally:
+                hopper_forward.joint_first_pass = joint
     return row
 
 

@@ -52,6 +52,11 @@ SHORT_WIDE_SEGMENT_TOKENS, SHORT_WIDE_PROGRAMS = 1024, 64
 CHUNK_US, PASS_US = {32: 1.77, 64: 2.15, 128: 2.81}, 24.0
 SEGMENT_CHUNK_US, SEGMENT_PASS_US = 2.04, 38.0
 SEGMENTS_MARGIN = 0.9
+# What the joint first pass (one launch for the states and the transitions, hopper_forward.joint_first_pass)
+# saves against its two launches, per chunk of a segment: (16,32) 1x32768 in 4 segments took 0.940 ms
+# against 1.018 (128 chunks a segment), H200, l2norm, compare_plans.py --first-pass-apart, BENCHMARKS.md
+# "Session 42".
+JOINT_SAVING_US = 0.61
 
 
 def num_sms(device: torch.device) -> int:
@@ -110,7 +115,7 @@ def longest_wide_segment_length(offsets: tuple[int, ...], num_v_heads: int, bloc
     are the shortest (of ``MIN_SEGMENT_TOKENS`` or more) that let every sequence's programs fit on the SMs at
     once; empty sequences take none.
 
-    The cost model (``CHUNK_US`` ...) fits these rows (H200, l2norm, BENCHMARKS.md "Session 31",
+    The cost model (``CHUNK_US`` ...; ``JOINT_SAVING_US`` since the first pass is one launch) fits these rows (H200, l2norm, BENCHMARKS.md "Session 31",
     ``compare_plans.py``): at (4,16), whole heads in segments of 4096 tokens against 32 columns unsplit,
     28672+4096 0.584 ms against 0.873, 24576+8192 0.585 against 0.759, 20480+12288 0.586 against 0.650,
     but 16384+16384 0.587 against 0.539; at (16,16) 6144+1024+1024, segments of 1024: 0.233 against 0.214;
@@ -124,7 +129,7 @@ def longest_wide_segment_length(offsets: tuple[int, ...], num_v_heads: int, bloc
         seg_len = -(-longest // (split * CHUNK)) * CHUNK
         if num_v_heads * sum(-(-n // seg_len) for n in lengths) <= sms:
             one_pass = -(-longest // CHUNK) * CHUNK_US[block_v] + PASS_US
-            segments = 3 * (seg_len // CHUNK * SEGMENT_CHUNK_US + SEGMENT_PASS_US)
+            segments = 3 * (seg_len // CHUNK * SEGMENT_CHUNK_US + SEGMENT_PASS_US) - seg_len // CHUNK * JOINT_SAVING_US
             return seg_len if segments <= SEGMENTS_MARGIN * one_pass else None
     return None
 
@@ -184,7 +189,7 @@ class SegmentChain(NamedTuple):
 
 
 def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, backwards=False,
-                   transposed_maps=None) -> SegmentChain:
+                   transposed_maps=None, first_pass=None) -> SegmentChain:
     """Steps 1-3 of the module docstring for one affine pass over segments.
 
     ``run(values, start, last)`` runs the pass over the segments ``seg_cu`` from the
@@ -198,12 +203,18 @@ def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, ba
     reverse pass takes the forward's transitions ``M_seg``: its map from the gradient
     leaving a segment to the one entering it is ``M_seg^T``), which skips the
     transition pass.  Returns the entry states in slot order, and as ``transition``
-    the matrices the scan read (the maps, or ``transposed_maps``).
+    the matrices the scan read (the maps, or ``transposed_maps``).  ``first_pass``: step 1 in one launch where
+    the pass has one (``hopper_forward.joint_first_pass``), ``first_pass(values)`` returning the states from zero
+    and the transitions, in place of ``run``'s two launches side by side.
     """
     from .kernels.compile import compile_program
     from .kernels.segment_scan import build_segment_scan
 
-    if transposed_maps is None:
+    if transposed_maps is not None:
+        offset, transition = run(values, None, False), transposed_maps
+    elif first_pass is not None:
+        offset, transition = first_pass(values)
+    else:
         # The transition pass does not depend on the offset pass: it runs on a stream of its own, so that
         # where one pass's programs leave SMs idle (few heads) the two fill them together.
         main, side = torch.cuda.current_stream(initial.device), transition_stream(initial.device)
@@ -213,8 +224,6 @@ def chain_segments(run, values, initial, seg_cu, first_segment, num_segments, ba
         offset = run(values, None, False)
         main.wait_stream(side)
         transition.record_stream(main)  # made on the side stream, read and freed on this one
-    else:
-        offset, transition = run(values, None, False), transposed_maps
     _, hv, kdim, vdim = offset.shape
     entry, final = torch.empty_like(offset), torch.empty_like(initial)
     scan = compile_program(build_segment_scan, hv, kdim, vdim, backwards, transposed_maps is not None)

@@ -234,7 +234,8 @@ def kernel_walks(ops: hopper_forward.ChunkOperands, do_packed, h0, dht,
             forward(ops.v, segments.entry, True)
         else:
             context_parallel.chain_segments(forward, ops.v, zero() if h0 is None else h0, offsets, first_segment,
-                                            num_segments)
+                                            num_segments,
+                                            first_pass=hopper_forward.joint_first_pass(ops, offsets, recompute_plan))
     # The narrowest reverse programs load the scores P instead of forming them per value block (made
     # here, after the fork: the recompute does not wait for them).
     loads_scores = plan.block_v in SCORES_WIDTHS

@@ -176,15 +176,26 @@ def value_correction(plan: StatePassPlan) -> str:
     return "kbar_derived" if plan.block_v == HEAD_DIM and plan.segment_tokens is None else "kbar_loaded"
 
 
-def pass_variant(plan: StatePassPlan, output: bool, query_norms: bool = False) -> tuple:
+def pass_variant(plan: StatePassPlan, output: bool, query_norms: bool = False, joint: bool = False) -> tuple:
     """The trailing arguments of ``build_chunk_forward`` for a pass of ``plan``: its value correction; whether
     it runs the transposed chain, which a pass that writes the output at whole heads does (``"in_chain"``: it
     corrects the values in its chain, with the state in registers; 4-5% faster at (16,32) and (16,64) 8192x4,
-    H200, BENCHMARKS.md "Session 27"); and whether it makes the queries' norms (``query_norms``, an output's
-    pass only).  The launcher and the list of shipped programs both ask here."""
+    H200, BENCHMARKS.md "Session 27"); whether it makes the queries' norms (``query_norms``, an output's
+    pass only); and for context parallelism's first pass at whole heads (``joint``, :func:`joint_first_pass`)
+    that it walks the state and the transition together.  The launcher and the list of shipped programs both
+    ask here."""
+    if joint:
+        assert has_joint_first_pass(plan) and not output, plan
+        return (value_correction(plan), False, False, True)
     if output and plan.block_v == HEAD_DIM:
         return ("in_chain", True, query_norms)
     return (value_correction(plan), False, output and query_norms)
+
+
+def has_joint_first_pass(plan: StatePassPlan) -> bool:
+    """Whether context parallelism's first pass of ``plan`` runs as one launch (:func:`joint_first_pass`):
+    whole heads in segments."""
+    return plan.block_v == HEAD_DIM and plan.segment_tokens is not None
 
 
 def pass_makes_query_norms(block_v: int, num_qk_heads: int, num_v_heads: int) -> bool:
@@ -296,7 +307,8 @@ def prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens,
     return operands(q_norm, k_norm, gamma, a_keys, a_values, a_inverse)
 
 
-def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: StatePassPlan, chunk_states=None):
+def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: StatePassPlan, chunk_states=None,
+               joint: bool = False):
     """One fused pass (step 2) over the sequences ``offsets`` describes; returns their final states.
 
     ``values`` None: zero values, read from nowhere, from the identity (context parallelism's
@@ -305,16 +317,18 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: Sta
     parallelism's first two passes and the backward's recompute do);
     ``chunk_states`` (``[T // 64 + N + 1, Hv, K, V]`` in q's dtype, or None) receives
     the state entering every chunk (the backward's recompute; see chunk_forward).
+    ``joint``: :func:`joint_first_pass`'s launch, whose ``2 N`` final states are the walks' from zero, then
+    the transitions.
     """
     from .kernels.chunk_forward import build_chunk_forward
     from .kernels.compile import compile_program
 
     hqk, hv, kdim, vdim, dtype = ops.config
     device = ops.v.device
-    states = offsets.numel() - 1
+    states = (offsets.numel() - 1) * (2 if joint else 1)
     no_state = placeholder_state(hv, kdim, vdim, device)
     ht = torch.empty(states, hv, kdim, vdim, dtype=torch.float32, device=device) if store_ht else no_state
-    variant = pass_variant(plan, out is not None, query_norms=ops.q_norm is None)
+    variant = pass_variant(plan, out is not None, query_norms=ops.q_norm is None, joint=joint)
     loads_keys = variant[0] == "kbar_loaded"
     assert not loads_keys or ops.a_keys is not None, "prepare_chunks(store_keys=False) for a pass that reads A_keys"
     kernel = compile_program(build_chunk_forward, hqk, hv, kdim, vdim, dtype, h0 is not None, store_ht,
@@ -327,6 +341,24 @@ def state_pass(ops: ChunkOperands, values, offsets, h0, store_ht, out, plan: Sta
            placeholder((1, hv, vdim), ops.v.dtype, device) if out is None else out, ht,
            placeholder_state(hv, kdim, vdim, device, ops.v.dtype) if chunk_states is None else chunk_states)
     return ht
+
+
+def joint_first_pass(ops: ChunkOperands, seg_cu: torch.Tensor, plan: StatePassPlan):
+    """Context parallelism's first pass over the segments ``seg_cu`` as one launch where the plan allows it
+    (:func:`has_joint_first_pass`), else None: a callable of the values that returns each segment's state from
+    zero and its transition (``context_parallel.chain_segments``' ``first_pass``).
+
+    The two walks as two launches are two waves at whole heads (each a 512-thread program an SM, with the heads
+    and segments filling the SMs once); one program carrying both is one, and its chain keeps the tensor cores
+    busier, each walk's GEMMs beside the other's elementwise work (chunk_forward, "The joint first pass")."""
+    if not has_joint_first_pass(plan) or ops.k.shape[2] != ops.v.shape[2]:
+        return None
+
+    def first_pass(values):
+        both = state_pass(ops, values, seg_cu, None, True, None, plan, joint=True)
+        return both.chunk(2)  # contiguous halves: the states from zero, then the transitions (K == V)
+
+    return first_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,7 +459,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
         initial = h0 if h0 is not None else torch.zeros(num_seqs, hv, kdim, vdim, device=device)
         run = lambda values, start, last: state_pass(ops, values, seg_cu, start, not last, o if last else None,
                                                      plan)
-        chain = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments)
+        chain = context_parallel.chain_segments(run, ops.v, initial, seg_cu, first_segment, num_segments,
+                                                first_pass=joint_first_pass(ops, seg_cu, plan))
         ht, segments = chain.final, SegmentStates(plan, chain.entry, chain.transition)
     prepared = tuple(getattr(ops, name) for name in PREPARED_FIELDS) if for_backward else None
     return returned(o.view(batch, length, hv, vdim), ht if output_final_state else None,

@@ -100,10 +100,15 @@ def head_config_programs(hqk: int, hv: int, dtype: str, widths=BLOCK_WIDTHS, all
         # forward's transposed), its first two passes (states only; the second with zero values) and its last pass
         out += [(build_segment_scan, (hv, 128, 128, backwards, transposed))
                 for backwards, transposed in ((False, False), (True, False), (True, True))]
+        # (whole heads: both in one launch)
+        narrow = [b for b in widths if b < 128]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, True,
-                                       *variant(b, True))) for b in widths]
+                                       *variant(b, True))) for b in narrow]
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, b, False, False, False,
-                                       *variant(b, True))) for b in widths]
+                                       *variant(b, True))) for b in narrow]
+        if 128 in widths:
+            out.append((build_chunk_forward, (hqk, hv, 128, 128, dtype, False, True, 128, False, False, True,
+                                              *pass_variant(StatePassPlan(128, 2048), False, joint=True))))
         out += [(build_chunk_forward, (hqk, hv, 128, 128, dtype, True, False, b, False, True, True,
                                        *variant(b, True, True, norms))) for b in widths for norms in norms_of(b)]
     if "backward" in kernels:

@@ -5,7 +5,7 @@
 Lengths 1, 64, 0, 635, 300 (T = 1000, not a multiple of 64; an empty and a
 one-token sequence), (2, 8) and (2, 6) heads, an initial state, in-kernel l2norm:
 the forward under every state-pass plan (each value-block width, and context
-parallelism with its segment scan), and again on q and k normalised by the caller
+parallelism with its segment scan, narrow and at whole heads: the joint first pass), and again on q and k normalised by the caller
 (l2norm off: the variants of ``chunk_prep`` that read the keys' norms instead of
 making them), and that forward captured in a CUDA graph and replayed with offsets that
 end before the token axis does (the tables built on the device, the rows past the last
@@ -184,7 +184,8 @@ def main():
         ref = float64(x)
         o_ref, s_ref = reference.chunked_gated_delta_rule(**ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
         plans = [hopper_forward.StatePassPlan(b, None) for b in hopper_forward.BLOCK_WIDTHS]
-        plans.append(hopper_forward.StatePassPlan(32, 256))  # context parallelism: segments of 4 chunks
+        # context parallelism in segments of 4 chunks: narrow, and whole heads (the joint first pass)
+        plans += [hopper_forward.StatePassPlan(32, 256), hopper_forward.StatePassPlan(128, 256)]
         normalized = dict(x, q=torch.nn.functional.normalize(x["q"], dim=-1),
                           k=torch.nn.functional.normalize(x["k"], dim=-1))
         for l2norm, inputs, want in ((True, x, (o_ref, s_ref)), (False, normalized, None)):

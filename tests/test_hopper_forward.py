@@ -205,6 +205,32 @@ def test_context_parallel_plans_without_decay(plan):
                 hopper_forward.StatePassPlan(*plan))
 
 
+@pytest.mark.parametrize("decay", ["none", "strong"])
+def test_joint_first_pass_walks_both_parts(decay, monkeypatch):
+    """Context parallelism's first pass at whole heads in one launch (``hopper_forward.joint_first_pass``)
+    gives the segments' states and transitions that its two launches give (the same products in the same
+    order, each walk's), with empty, one-token and one-chunk sequences among long ones, and a real kept
+    transition: a wrong M shows in every later segment of a sequence."""
+    from flash_qla_tl import hopper_forward
+
+    seqs = [5000, 0, 1, 64, 2100, 3000]
+    x = _inputs(seqs=seqs, decay=decay, initial_state=True, hqk=2, hv=8)
+    plan = hopper_forward.StatePassPlan(128, 1024)
+    kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True, plan=plan, return_kept=True)
+    joint = hopper_forward.chunk_forward(**x, **kw)
+    launched = []
+    monkeypatch.setattr(hopper_forward, "joint_first_pass", lambda *args: launched.append(args) and None)
+    apart = hopper_forward.chunk_forward(**x, **kw)
+    assert launched, "the forward in segments asks for its joint first pass"
+    seg_cu, _, _ = context_parallel.segment_table(x["cu_seqlens"].cpu(), sum(seqs), 1024)
+    used = (seg_cu[1:] > seg_cu[:-1]).nonzero().flatten().cuda()  # the other slots are never written
+    for name, got, want in (("o", joint[0], apart[0]), ("state", joint[1], apart[1]),
+                            ("entry", joint[2].segments.entry[used], apart[2].segments.entry[used]),
+                            ("transition", joint[2].segments.transition[used], apart[2].segments.transition[used])):
+        assert got.shape == want.shape and rel_rms(got, want) < 1e-5, (name, rel_rms(got, want))
+    _check_plan(x, plan)
+
+
 @pytest.mark.parametrize("block_v", [32, 64, 128])
 def test_value_block_widths(block_v):
     """Every program width the plan picks between, on the same awkward batch."""

@@ -230,16 +230,24 @@ def test_transposed_fragments_address_tilelangs_layouts():
                     assert row_address(warp_base + 8 * m + column, q) + lane // 4 == tile_offset(token, value)
 
 
-@pytest.mark.parametrize("variant", [(128, "in_chain", True), (64, "in_chain"), (128, "kbar_derived"),
-                                     (128, "in_chain", True, True), (32, "in_chain", False, True)],
-                         ids=["transposed", "narrow", "kbar", "transposed-query-norms", "narrow-query-norms"])
-def test_state_pass_keeps_its_wgmma_in_flight(variant, monkeypatch):
+# (initial state, final state, block_v, chunk states, output, values, *pass_variant): the passes' forms
+JOINT_FIRST_PASS = (False, True, 128, False, False, True,
+                    *hopper_forward.pass_variant(hopper_forward.StatePassPlan(128, 2048), False, joint=True))
+
+
+@pytest.mark.parametrize("config", [
+    (True, True, 128, False, True, True, "in_chain", True), (True, True, 64, False, True, True, "in_chain"),
+    (True, True, 128, False, True, True, "kbar_derived"), (True, True, 128, False, True, True, "in_chain", True, True),
+    (True, True, 32, False, True, True, "in_chain", False, True), JOINT_FIRST_PASS,
+], ids=["transposed", "narrow", "kbar", "transposed-query-norms", "narrow-query-norms", "joint"])
+def test_state_pass_keeps_its_wgmma_in_flight(config, monkeypatch):
     """Where ptxas has too few registers to keep a wgmma in flight anywhere in a program, it issues every one
     alone and waits for each k-step (its info C7512, no error); the transposed chain's 192 registers did so
     until its first round waited for both of its GEMMs (chunk_forward; 9% of the pass at (16,32) 8192x4,
     BENCHMARKS.md "Session 33").  It does the same where one accumulator is written by wgmmas of different
-    shapes (info C7511: products split along N beside whole ones, BENCHMARKS.md "Session 37" item 5).
-    Compiled afresh (not from TileLang's cache), with ptxas's report kept."""
+    shapes (info C7511: products split along N beside whole ones, BENCHMARKS.md "Session 37" item 5), and where
+    a wgmma's accumulator may be written while one is in flight (info C7515: the joint pass's second round
+    behind a branch).  Compiled afresh (not from TileLang's cache), with ptxas's report kept."""
     import tilelang
     import tilelang.contrib.nvcc as nvcc
 
@@ -252,15 +260,14 @@ def test_state_pass_keeps_its_wgmma_in_flight(variant, monkeypatch):
     compile_cuda = nvcc.compile_cuda
     monkeypatch.setattr(nvcc, "compile_cuda", lambda *args, **kw: compile_cuda(*args, **{**kw, "verbose": True}))
     monkeypatch.setattr(nvcc, "logger", Recorder())
-    block_v, *rest = variant
     tilelang.disable_cache()
     try:
-        compile_with_tilelang(build_chunk_forward, (16, 32, 128, 128, "bfloat16", True, True, block_v, False, True,
-                                                    True, *rest), pass_configs_of(build_chunk_forward))
+        compile_with_tilelang(build_chunk_forward, (16, 32, 128, 128, "bfloat16", *config),
+                              pass_configs_of(build_chunk_forward))
     finally:
         tilelang.enable_cache()
     report = "\n".join(reports)
-    assert "PTXAS" in report and "C7511" not in report and "C7512" not in report, report
+    assert "PTXAS" in report and not re.search("C751[125]", report), report
 
 
 def test_register_split_fits_the_launch():
@@ -428,6 +435,15 @@ def test_forward_pass_publishes_its_chain_tiles(block_v, segments, store_states)
                              not store_states, True, correction).get_kernel_source()
     tiles = ("state_op", "u_op", "u_decayed_op", "w_op")
     assert "ptx_stmatrix" in source and not unpublished_chain_tiles(source, tiles)
+
+
+def test_joint_first_pass_publishes_its_chain_tiles():
+    """The same for context parallelism's joint first pass, whose two walks hand over four tiles."""
+    source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", *JOINT_FIRST_PASS).get_kernel_source()
+    tiles = ("state_op", "u_op", "transition_op", "transition_u_op")
+    assert "ptx_stmatrix" in source and not unpublished_chain_tiles(source, tiles)
+    # one launch: values and A_keys loaded, no q; both walks' final states stored
+    assert "tma_load(v_desc" in source and "tma_load(A_keys_desc" in source and "tma_load(q_desc" not in source
 
 
 @pytest.mark.parametrize("hqk,hv,dtype,l2norm", [(16, 32, "bfloat16", True), (2, 6, "float16", False)])

@@ -109,6 +109,19 @@ initial and final states are read and written transposed.  Prep is the in-chain 
 371 us against 411 in the form above at (16,32) 8192x4 (H200, 2026-11-28, eager profile;
 BENCHMARKS.md "Session 27").
 
+The joint first pass (``joint``: context parallelism's step 1 at whole heads, context_parallel.py) walks a
+segment's two affine parts in one program: the state ``S`` from zero with the values, and the transition ``M``
+from the identity without (``U_M = Kbar M``), sharing the loads, ``Kbar`` and ``Kd``.  As two launches each is
+one 512-thread program an SM, so with the heads and segments filling the SMs once they are two waves; this is
+one.  The chain holds both (64 fp32 values a thread each) and one ``U``; the walks run a round apart, so that
+every GEMM phase carries one walk's first round and the other's second, and each walk's elementwise stretch
+(mask, operand copy, decay) runs under the other's GEMMs::
+
+    phase A (chunk c):  U = Av V + Kbar S      beside   M += Kd^T U_M   (chunk c - 1)
+    phase B (chunk c):  U = Kbar M             beside   S += Kd^T U_S
+
+A stage's keys are released once the transition's second round has read them, in the next chunk's phase A.
+
 A TMA tile that crosses the sequence end carries the next sequence's tokens (or
 padding that may hold inf/NaN).  Prep zeroes those rows of k and v before any
 GEMM reads them (a GEMM multiplies them by 0 otherwise), and P, U and the gate
@@ -139,6 +152,7 @@ def build_chunk_forward(
     correction: str = "kbar_loaded",
     transposed: bool = False,
     query_norms: bool = False,
+    joint: bool = False,
     chunk: int = 64,
 ):
     """Build the forward PrimFunc for one static config; token, sequence and state counts stay symbolic.
@@ -154,15 +168,17 @@ def build_chunk_forward(
     over whole sequences, ``"in_chain"``): the chain walks ``S^T`` and keeps it and ``U^T`` in registers
     as the left operands of its GEMMs (module docstring, "The transposed chain").  ``query_norms`` (an output's
     pass with the l2norm): prep makes the queries' inverse norms from the q tile (``query_inverse_norms``), and
-    ``q_norm`` is not read.
+    ``q_norm`` is not read.  ``joint`` (context parallelism's first pass at whole heads): one program walks both
+    of a segment's affine parts, the state from zero with the values and the transition from the identity without
+    (module docstring, "The joint first pass"); ``final_state`` then has ``2 N`` rows, the states first.
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
     from .chunk_pipeline import (
         CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES,
-        STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, query_inverse_norms, register_split,
-        reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
+        STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, publish_chain_tile, query_inverse_norms,
+        register_split, reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
     )
     from .transposed_fragments import SOURCE as TRANSPOSED_FRAGMENTS, accumulator_layout
 
@@ -178,13 +194,18 @@ def build_chunk_forward(
     assert store_output or not query_norms, "only a pass that reads q makes its norms"
     assert not transposed or (block_v == V == 128 and correction == "in_chain" and store_output and read_values
                               and not store_chunk_states), "the transposed chain is built for one plan"
+    assert not joint or (block_v == V == K and correction == "kbar_loaded" and read_values and not store_output
+                         and not has_initial_state and store_final_state and not store_chunk_states
+                         and not transposed), "the joint first pass is built for one plan"
     kbar_in_prep, derive_keys = correction != "in_chain", correction == "kbar_derived"
     assert kbar_in_prep or block_v < V or transposed, "the chain's value correction is built for 32 and 64 columns"
     group = num_v_heads // num_qk_heads
     accum = "float32"
     # The transposed chain holds S^T (64 values a thread), its bf16 copy (32), O^T and one 128 x 64 accumulator
     # (32 each) and two bf16 operands; its prep forms no Kbar.
-    chain_count, prep_count = (192, 104) if transposed else (CHAIN_REGS, PREP_REGS)
+    # The joint pass holds two states (64 each) and one U (32); its prep forms no Q K^T (at 184 and 120, ptxas
+    # issued every wgmma alone: its info C7512).
+    chain_count, prep_count = (192, 104) if transposed else (192, 104) if joint else (CHAIN_REGS, PREP_REGS)
     chain_regs, _, prep_regs, loader_regs = register_split(chain_count, chain_count, prep_count, LOADER_REGS)
 
     num_tokens = T.dynamic("T")
@@ -205,6 +226,16 @@ def build_chunk_forward(
         T.copy(state, state_op)
         if store_chunk_states:
             store_chain_tile(state_op, chunk_states[slot, hv, :, v0 : v0 + block_v])
+
+    @T.macro
+    def hand_over_update(u, u_op, state, decay, n):
+        """``U`` is done: its padded rows masked, into its operand tile for the state update, and the state decayed
+        to the chunk end (the joint pass's two walks)."""
+        for i, j in T.Parallel(C, block_v):
+            u[i, j] = T.Select(i < n, u[i, j], T.float32(0))
+        T.copy(u, u_op)
+        for d, j in T.Parallel(K, block_v):
+            state[d, j] = state[d, j] * decay
 
     @T.macro
     def zero_rows_after_sequences(o, cu_seqlens, seq, hv, v0):
@@ -301,6 +332,9 @@ def build_chunk_forward(
             else:
                 state_op = T.alloc_shared([K, block_v], dtype)  # S
                 u_op = T.alloc_shared([C, block_v], dtype)  # U
+                if joint:  # the transition's own
+                    transition_op = T.alloc_shared([K, block_v], dtype)
+                    transition_u_op = T.alloc_shared([C, block_v], dtype)
             if not kbar_in_prep and not transposed:
                 w_op = T.alloc_shared([C, block_v], dtype)  # W = V - diag(G rk) K S
                 u_decayed_op = T.alloc_shared([C, block_v], dtype)  # diag(exp2(gamma_last - gamma) rk) U
@@ -320,7 +354,10 @@ def build_chunk_forward(
             else:
                 state = T.alloc_fragment([K, block_v], accum)
                 u = T.alloc_fragment([C, block_v], accum)
-                out = T.alloc_fragment([C, block_v], accum)
+                if joint:
+                    transition = T.alloc_fragment([K, K], accum)
+                else:
+                    out = T.alloc_fragment([C, block_v], accum)
             if not kbar_in_prep and not transposed:
                 u_decayed = T.alloc_fragment([C, block_v], accum)
             if kbar_in_prep:
@@ -400,6 +437,45 @@ def build_chunk_forward(
                     if store_final_state:
                         for i, d in T.Parallel(block_v, K):
                             final_state[seq, hv, d, v0 + i] = state_t[i, d]
+                elif joint:
+                    # Two walks, each a round behind the other: every GEMM phase carries one walk's first round and
+                    # the other's second, and each walk's elementwise stretch runs while the other's GEMMs do.
+                    T.clear(state)
+                    start_walk(transition, None, 0, K, K, True, False)
+                    T.clear(transition_u_op)
+                    publish_chain_tile()
+                    for c in T.serial(num_chunks):
+                        st = c % STAGES
+                        n = T.min(seqlen - c * C, C)
+                        T.barrier_wait(prepared[st], (c // STAGES) % 2)
+                        # Phase A: the state's first round of chunk c; the transition's second of chunk c - 1.
+                        T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
+                        T.copy(state, state_op)
+                        T.wgmma_gemm(kbar_op, state_op, u)
+                        # (No branch around it, which would make ptxas issue every wgmma alone, its info C7515: at
+                        # c = 0 the operand is zero, and the stage's own keys, finite, stand in for chunk -1's.)
+                        T.wgmma_gemm(k_tile[T.if_then_else(c > 0, (c + 1) % STAGES, st), :, :], transition_u_op,
+                                     transition, transpose_A=True, policy=STATE_ROWS)
+                        T.wait_wgmma(1)
+                        hand_over_update(u, u_op, state, chunk_decay[st], n)
+                        T.wait_wgmma(0)
+                        if c > 0:
+                            T.barrier_arrive(consumed[(c - 1) % STAGES])
+                        # Phase B: the transition's first round of chunk c; the state's second.
+                        T.copy(transition, transition_op)
+                        T.wgmma_gemm(kbar_op, transition_op, u, clear_accum=True)
+                        T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True, policy=STATE_ROWS)
+                        T.wait_wgmma(1)
+                        T.barrier_arrive(kbar_read)
+                        hand_over_update(u, transition_u_op, transition, chunk_decay[st], n)
+                        T.barrier_arrive(first_round_read[st])  # the stage's gates too: read by the decay above
+                        T.wait_wgmma(0)
+                    if num_chunks > 0:  # the transition's last second round
+                        T.wgmma_gemm(k_tile[(num_chunks - 1) % STAGES, :, :], transition_u_op, transition,
+                                     transpose_A=True, policy=STATE_ROWS)
+                        T.wait_wgmma(0)
+                    T.copy(state, final_state[seq, hv, :, :])
+                    T.copy(transition, final_state[num_seqs + seq, hv, :, :])
                 else:
                     start_walk(state, initial_state[seq, hv, :, v0 : v0 + block_v], v0, K, block_v, not read_values,
                                has_initial_state)
