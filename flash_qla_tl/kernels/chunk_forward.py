@@ -120,7 +120,11 @@ every GEMM phase carries one walk's first round and the other's second, and each
     phase A (chunk c):  U = Av V + Kbar S      beside   M += Kd^T U_M   (chunk c - 1)
     phase B (chunk c):  U = Kbar M             beside   S += Kd^T U_S
 
-A stage's keys are released once the transition's second round has read them, in the next chunk's phase A.
+A stage's keys are released once the transition's second round has read them, in the next chunk's phase A,
+so the keys have a ring of three stages of their own (``KEY_STAGES``): with two, the loader could bring chunk
+c + 2's keys only after chunk c + 1's phase A, and prep had phase B alone to make its ``Kbar`` from them.  One
+operand tile serves both walks' first rounds (their GEMMs read it in turn, each phase's after the chain's sync
+before its write), which pays for the third stage.
 
 A TMA tile that crosses the sequence end carries the next sequence's tokens (or
 padding that may hold inf/NaN).  Prep zeroes those rows of k and v before any
@@ -176,9 +180,9 @@ def build_chunk_forward(
     from tilelang.layout import make_swizzled_layout
 
     from .chunk_pipeline import (
-        CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES,
-        STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, publish_chain_tile, query_inverse_norms,
-        register_split, reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
+        CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, KEY_STAGES, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS,
+        STAGES, STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, publish_chain_tile,
+        query_inverse_norms, register_split, reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
     )
     from .transposed_fragments import SOURCE as TRANSPOSED_FRAGMENTS, accumulator_layout
 
@@ -207,6 +211,13 @@ def build_chunk_forward(
     # issued every wgmma alone: its info C7512).
     chain_count, prep_count = (192, 104) if transposed else (192, 104) if joint else (CHAIN_REGS, PREP_REGS)
     chain_regs, _, prep_regs, loader_regs = register_split(chain_count, chain_count, prep_count, LOADER_REGS)
+    # The keys' ring: one stage more for the joint pass, whose transition reads a chunk's keys in the next chunk
+    # (module docstring, "The joint first pass"); it shares the other rings' barriers, chunk c on c % STAGES.
+    key_stages = KEY_STAGES if joint else STAGES
+
+    def key_stage(c, st):
+        """The keys' stage of chunk ``c``, whose other inputs are at stage ``st``."""
+        return c % KEY_STAGES if joint else st
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")
@@ -289,7 +300,7 @@ def build_chunk_forward(
 
             # Ring of chunk inputs, filled by the loader's TMA.
             q_tile = T.alloc_shared([STAGES, C, K], dtype)
-            k_tile = T.alloc_shared([STAGES, C, K], dtype)
+            k_tile = T.alloc_shared([key_stages, C, K], dtype)
             v_tile = T.alloc_shared([STAGES, C, block_v], dtype)
             if correction == "kbar_loaded":
                 a_keys_tile = T.alloc_shared([STAGES, C, C], dtype)
@@ -316,7 +327,7 @@ def build_chunk_forward(
             # Stage st holds chunk c with c % 2 == st; phases flip every lap round the ring.
             loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
             prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
-            consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
+            consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * key_stages)  # by key stage
             # The chain's first round has read the stage's q, v and A_values (prep is done with the stage's
             # A_keys and gates before the chain starts it): the loader refills them while the second round
             # still reads k.
@@ -332,8 +343,7 @@ def build_chunk_forward(
             else:
                 state_op = T.alloc_shared([K, block_v], dtype)  # S
                 u_op = T.alloc_shared([C, block_v], dtype)  # U
-                if joint:  # the transition's own
-                    transition_op = T.alloc_shared([K, block_v], dtype)
+                if joint:  # the transition's U; its M shares the state's operand tile
                     transition_u_op = T.alloc_shared([C, block_v], dtype)
             if not kbar_in_prep and not transposed:
                 w_op = T.alloc_shared([C, block_v], dtype)  # W = V - diag(G rk) K S
@@ -446,6 +456,7 @@ def build_chunk_forward(
                     publish_chain_tile()
                     for c in T.serial(num_chunks):
                         st = c % STAGES
+                        kt = key_stage(c, st)
                         n = T.min(seqlen - c * C, C)
                         T.barrier_wait(prepared[st], (c // STAGES) % 2)
                         # Phase A: the state's first round of chunk c; the transition's second of chunk c - 1.
@@ -454,24 +465,26 @@ def build_chunk_forward(
                         T.wgmma_gemm(kbar_op, state_op, u)
                         # (No branch around it, which would make ptxas issue every wgmma alone, its info C7515: at
                         # c = 0 the operand is zero, and the stage's own keys, finite, stand in for chunk -1's.)
-                        T.wgmma_gemm(k_tile[T.if_then_else(c > 0, (c + 1) % STAGES, st), :, :], transition_u_op,
-                                     transition, transpose_A=True, policy=STATE_ROWS)
+                        T.wgmma_gemm(k_tile[T.if_then_else(c > 0, (c + key_stages - 1) % key_stages, kt), :, :],
+                                     transition_u_op, transition, transpose_A=True, policy=STATE_ROWS)
                         T.wait_wgmma(1)
                         hand_over_update(u, u_op, state, chunk_decay[st], n)
                         T.wait_wgmma(0)
                         if c > 0:
-                            T.barrier_arrive(consumed[(c - 1) % STAGES])
-                        # Phase B: the transition's first round of chunk c; the state's second.
-                        T.copy(transition, transition_op)
-                        T.wgmma_gemm(kbar_op, transition_op, u, clear_accum=True)
-                        T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True, policy=STATE_ROWS)
+                            T.barrier_arrive(consumed[(c + key_stages - 1) % key_stages])
+                        # Phase B: the transition's first round of chunk c; the state's second.  M goes into the
+                        # state's operand tile, which both warpgroups' phase A has read (TileLang syncs the chain
+                        # before the write, as before every write of a tile a GEMM read).
+                        T.copy(transition, state_op)
+                        T.wgmma_gemm(kbar_op, state_op, u, clear_accum=True)
+                        T.wgmma_gemm(k_tile[kt, :, :], u_op, state, transpose_A=True, policy=STATE_ROWS)
                         T.wait_wgmma(1)
                         T.barrier_arrive(kbar_read)
                         hand_over_update(u, transition_u_op, transition, chunk_decay[st], n)
                         T.barrier_arrive(first_round_read[st])  # the stage's gates too: read by the decay above
                         T.wait_wgmma(0)
                     if num_chunks > 0:  # the transition's last second round
-                        T.wgmma_gemm(k_tile[(num_chunks - 1) % STAGES, :, :], transition_u_op, transition,
+                        T.wgmma_gemm(k_tile[(num_chunks - 1) % key_stages, :, :], transition_u_op, transition,
                                      transpose_A=True, policy=STATE_ROWS)
                         T.wait_wgmma(0)
                     T.copy(state, final_state[seq, hv, :, :])
@@ -580,6 +593,7 @@ def build_chunk_forward(
                 T.set_max_nreg(prep_regs.count, prep_regs.increase)
                 for c in T.serial(num_chunks):
                     st = c % STAGES
+                    kt = key_stage(c, st)
                     n = T.min(seqlen - c * C, C)
                     # Stage st of the operand ring was last read for chunk c - 2; the
                     # loader refilled the input ring's stage st only after the chain
@@ -589,15 +603,15 @@ def build_chunk_forward(
                     # Only a sequence's last chunk is short, so no later TMA write to
                     # this stage races with these stores.
                     if n < C:
-                        zero_rows_past(k_tile, st, n, C, K)
+                        zero_rows_past(k_tile, kt, n, C, K)
                         if read_values:
                             zero_rows_past(v_tile, st, n, C, block_v)
 
                     # Q K^T first: its gates and mask then run while Ak K is still on the tensor cores.
                     if store_output:
-                        T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(q_tile[st, :, :], k_tile[kt, :, :], qk, transpose_B=True, clear_accum=True)
                     if correction == "kbar_loaded":
-                        T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
+                        T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[kt, :, :], kbar, clear_accum=True)
                     if query_norms:  # while the GEMMs run
                         query_inverse_norms(q_tile, q_scale, st, hkn, tx - CHAIN_THREADS, K)
                     for i in T.Parallel(C):
@@ -621,7 +635,7 @@ def build_chunk_forward(
                     if derive_keys:  # Ak = -Av diag(G rk): Av's rows past n only reach masked rows
                         for i, j in T.Parallel(C, C):
                             a_keys_op[i, j] = a_values_tile[st, i, j] * key_factor[j]
-                        T.wgmma_gemm(a_keys_op, k_tile[st, :, :], kbar, clear_accum=True)
+                        T.wgmma_gemm(a_keys_op, k_tile[kt, :, :], kbar, clear_accum=True)
                     if store_output:
                         T.wait_wgmma(1 if kbar_in_prep else 0)
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
@@ -635,8 +649,8 @@ def build_chunk_forward(
                         # chain's state update, so decay them to the chunk end (0 past n).
                         # Read all, then write all: one barrier, not one per row block.
                         for i, d in T.Parallel(C, K):
-                            k_decayed[i, d] = k_tile[st, i, d] * decay_to_end[st, i]
-                        T.copy(k_decayed, k_tile[st, :, :])
+                            k_decayed[i, d] = k_tile[kt, i, d] * decay_to_end[st, i]
+                        T.copy(k_decayed, k_tile[kt, :, :])
                         # Kbar's slot is free once the chain's first round of chunk c - 1 is done.
                         if c > 0:
                             T.barrier_wait(kbar_read, (c - 1) % 2)
@@ -648,6 +662,7 @@ def build_chunk_forward(
                 T.set_max_nreg(loader_regs.count, loader_regs.increase)
                 for c in T.serial(num_chunks):
                     st = c % STAGES
+                    kt = key_stage(c, st)
                     s = bos + c * C
                     # A slot is free once the chain released its previous chunk, in two parts (the
                     # first-round operands, then k); on the first lap round the ring there is none,
@@ -663,8 +678,8 @@ def build_chunk_forward(
                         T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     load_gates(gamma, None if query_norms else q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0,
                                hk0, st, loaded, C)
-                    T.barrier_wait(consumed[st], (c // STAGES) % 2 ^ 1)
-                    T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
+                    T.barrier_wait(consumed[kt], (c // key_stages) % 2 ^ 1)
+                    T.tma_copy(k[s : s + C, hk, :], k_tile[kt, :, :], barrier=loaded[st])
                     T.barrier_arrive(loaded[st])
 
     return chunk_forward
