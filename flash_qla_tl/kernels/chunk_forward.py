@@ -113,18 +113,16 @@ The joint first pass (``joint``: context parallelism's step 1 at whole heads, co
 segment's two affine parts in one program: the state ``S`` from zero with the values, and the transition ``M``
 from the identity without (``U_M = Kbar M``), sharing the loads, ``Kbar`` and ``Kd``.  As two launches each is
 one 512-thread program an SM, so with the heads and segments filling the SMs once they are two waves; this is
-one.  The chain holds both (64 fp32 values a thread each) and one ``U``; the walks run a round apart, so that
-every GEMM phase carries one walk's first round and the other's second, and each walk's elementwise stretch
-(mask, operand copy, decay) runs under the other's GEMMs::
+one.  The chain holds both (64 fp32 values a thread each) and the state's ``U``; the transition's first round
+is prep's, so that the two walks' first rounds run side by side, each on its own warps::
 
-    phase A (chunk c):  U = Av V + Kbar S      beside   M += Kd^T U_M   (chunk c - 1)
-    phase B (chunk c):  U = Kbar M             beside   S += Kd^T U_S
+    chain (chunk c):  U_S = Av V + Kbar S;   M <- g_C M + Kd^T U_M;   S <- g_C S + Kd^T U_S;   M to its tile
+    prep  (chunk c):  Kbar, Kd (as for any pass);   U_M = Kbar M from the chain's tile, masked, to its own
 
-A stage's keys are released once the transition's second round has read them, in the next chunk's phase A,
-so the keys have a ring of three stages of their own (``KEY_STAGES``): with two, the loader could bring chunk
-c + 2's keys only after chunk c + 1's phase A, and prep had phase B alone to make its ``Kbar`` from them.  One
-operand tile serves both walks' first rounds (their GEMMs read it in turn, each phase's after the chain's sync
-before its write), which pays for the third stage.
+Prep has the registers for ``U_M`` once ``Kbar`` is in its tile; the chain waits for ``U_M`` only after its own
+first round and hand-over, and prep for ``M`` only after publishing the next chunk's operands.  (Until session
+43 the chain ran both first rounds itself, a round apart, in one accumulator: each walk's first round and
+hand-over stayed on the chain's path, ~1.9x one walk's time a chunk.)
 
 A TMA tile that crosses the sequence end carries the next sequence's tokens (or
 padding that may hold inf/NaN).  Prep zeroes those rows of k and v before any
@@ -180,9 +178,9 @@ def build_chunk_forward(
     from tilelang.layout import make_swizzled_layout
 
     from .chunk_pipeline import (
-        CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, KEY_STAGES, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS,
-        STAGES, STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, publish_chain_tile,
-        query_inverse_norms, register_split, reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
+        CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES,
+        STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, publish_chain_tile, query_inverse_norms,
+        register_split, reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
     )
     from .transposed_fragments import SOURCE as TRANSPOSED_FRAGMENTS, accumulator_layout
 
@@ -207,17 +205,10 @@ def build_chunk_forward(
     accum = "float32"
     # The transposed chain holds S^T (64 values a thread), its bf16 copy (32), O^T and one 128 x 64 accumulator
     # (32 each) and two bf16 operands; its prep forms no Kbar.
-    # The joint pass holds two states (64 each) and one U (32); its prep forms no Q K^T (at 184 and 120, ptxas
-    # issued every wgmma alone: its info C7512).
+    # The joint pass holds two states (64 each) and one U (32); its prep forms no Q K^T, and holds U_M once Kbar
+    # is in its tile (at 184 and 120, ptxas issued every wgmma alone: its info C7512).
     chain_count, prep_count = (192, 104) if transposed else (192, 104) if joint else (CHAIN_REGS, PREP_REGS)
     chain_regs, _, prep_regs, loader_regs = register_split(chain_count, chain_count, prep_count, LOADER_REGS)
-    # The keys' ring: one stage more for the joint pass, whose transition reads a chunk's keys in the next chunk
-    # (module docstring, "The joint first pass"); it shares the other rings' barriers, chunk c on c % STAGES.
-    key_stages = KEY_STAGES if joint else STAGES
-
-    def key_stage(c, st):
-        """The keys' stage of chunk ``c``, whose other inputs are at stage ``st``."""
-        return c % KEY_STAGES if joint else st
 
     num_tokens = T.dynamic("T")
     num_seqs = T.dynamic("N")
@@ -241,7 +232,7 @@ def build_chunk_forward(
     @T.macro
     def hand_over_update(u, u_op, state, decay, n):
         """``U`` is done: its padded rows masked, into its operand tile for the state update, and the state decayed
-        to the chunk end (the joint pass's two walks)."""
+        to the chunk end (the joint pass)."""
         for i, j in T.Parallel(C, block_v):
             u[i, j] = T.Select(i < n, u[i, j], T.float32(0))
         T.copy(u, u_op)
@@ -300,7 +291,7 @@ def build_chunk_forward(
 
             # Ring of chunk inputs, filled by the loader's TMA.
             q_tile = T.alloc_shared([STAGES, C, K], dtype)
-            k_tile = T.alloc_shared([key_stages, C, K], dtype)
+            k_tile = T.alloc_shared([STAGES, C, K], dtype)
             v_tile = T.alloc_shared([STAGES, C, block_v], dtype)
             if correction == "kbar_loaded":
                 a_keys_tile = T.alloc_shared([STAGES, C, C], dtype)
@@ -327,7 +318,7 @@ def build_chunk_forward(
             # Stage st holds chunk c with c % 2 == st; phases flip every lap round the ring.
             loaded = T.alloc_barrier(arrive_count=[LOADER_THREADS] * STAGES)
             prepared = T.alloc_barrier(arrive_count=[PREP_THREADS] * STAGES)
-            consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * key_stages)  # by key stage
+            consumed = T.alloc_barrier(arrive_count=[CHAIN_THREADS] * STAGES)
             # The chain's first round has read the stage's q, v and A_values (prep is done with the stage's
             # A_keys and gates before the chain starts it): the loader refills them while the second round
             # still reads k.
@@ -343,8 +334,13 @@ def build_chunk_forward(
             else:
                 state_op = T.alloc_shared([K, block_v], dtype)  # S
                 u_op = T.alloc_shared([C, block_v], dtype)  # U
-                if joint:  # the transition's U; its M shares the state's operand tile
+                if joint:  # the transition's: M, the chain's for prep; U_M, prep's for the chain
+                    transition_op = T.alloc_shared([K, block_v], dtype)
                     transition_u_op = T.alloc_shared([C, block_v], dtype)
+                    # completion c: M entering chunk c is in transition_op (the identity first); U_M of chunk c
+                    # is in transition_u_op
+                    transition_published = T.alloc_barrier(arrive_count=CHAIN_THREADS)
+                    transition_u_ready = T.alloc_barrier(arrive_count=PREP_THREADS)
             if not kbar_in_prep and not transposed:
                 w_op = T.alloc_shared([C, block_v], dtype)  # W = V - diag(G rk) K S
                 u_decayed_op = T.alloc_shared([C, block_v], dtype)  # diag(exp2(gamma_last - gamma) rk) U
@@ -372,6 +368,8 @@ def build_chunk_forward(
                 u_decayed = T.alloc_fragment([C, block_v], accum)
             if kbar_in_prep:
                 kbar = T.alloc_fragment([C, K], accum)
+            if joint:
+                transition_u = T.alloc_fragment([C, block_v], accum)  # prep's U_M = Kbar M
             qk = T.alloc_fragment([C, C], accum)
             if kbar_in_prep:
                 k_decayed = T.alloc_fragment([C, K], dtype)
@@ -448,45 +446,36 @@ def build_chunk_forward(
                         for i, d in T.Parallel(block_v, K):
                             final_state[seq, hv, d, v0 + i] = state_t[i, d]
                 elif joint:
-                    # Two walks, each a round behind the other: every GEMM phase carries one walk's first round and
-                    # the other's second, and each walk's elementwise stretch runs while the other's GEMMs do.
+                    # The state's first round and both second rounds; the transition's first round is prep's, from
+                    # M as this chunk's end publishes it.
                     T.clear(state)
                     start_walk(transition, None, 0, K, K, True, False)
-                    T.clear(transition_u_op)
-                    publish_chain_tile()
+                    T.copy(transition, transition_op)
+                    T.fence_proxy_async()  # prep's GEMM reads it
+                    T.barrier_arrive(transition_published)
                     for c in T.serial(num_chunks):
                         st = c % STAGES
-                        kt = key_stage(c, st)
                         n = T.min(seqlen - c * C, C)
                         T.barrier_wait(prepared[st], (c // STAGES) % 2)
-                        # Phase A: the state's first round of chunk c; the transition's second of chunk c - 1.
                         T.wgmma_gemm(a_values_tile[st, :, :], v_tile[st, :, :], u, clear_accum=True)
                         T.copy(state, state_op)
                         T.wgmma_gemm(kbar_op, state_op, u)
-                        # (No branch around it, which would make ptxas issue every wgmma alone, its info C7515: at
-                        # c = 0 the operand is zero, and the stage's own keys, finite, stand in for chunk -1's.)
-                        T.wgmma_gemm(k_tile[T.if_then_else(c > 0, (c + key_stages - 1) % key_stages, kt), :, :],
-                                     transition_u_op, transition, transpose_A=True, policy=STATE_ROWS)
-                        T.wait_wgmma(1)
-                        hand_over_update(u, u_op, state, chunk_decay[st], n)
                         T.wait_wgmma(0)
-                        if c > 0:
-                            T.barrier_arrive(consumed[(c + key_stages - 1) % key_stages])
-                        # Phase B: the transition's first round of chunk c; the state's second.  M goes into the
-                        # state's operand tile, which both warpgroups' phase A has read (TileLang syncs the chain
-                        # before the write, as before every write of a tile a GEMM read).
-                        T.copy(transition, state_op)
-                        T.wgmma_gemm(kbar_op, state_op, u, clear_accum=True)
-                        T.wgmma_gemm(k_tile[kt, :, :], u_op, state, transpose_A=True, policy=STATE_ROWS)
-                        T.wait_wgmma(1)
                         T.barrier_arrive(kbar_read)
-                        hand_over_update(u, transition_u_op, transition, chunk_decay[st], n)
-                        T.barrier_arrive(first_round_read[st])  # the stage's gates too: read by the decay above
+                        hand_over_update(u, u_op, state, chunk_decay[st], n)
+                        for d, j in T.Parallel(K, block_v):
+                            transition[d, j] = transition[d, j] * chunk_decay[st]
+                        T.barrier_arrive(first_round_read[st])  # the stage's gates too: read by the decays above
+                        T.barrier_wait(transition_u_ready, c % 2)
+                        T.wgmma_gemm(k_tile[st, :, :], transition_u_op, transition, transpose_A=True,
+                                     policy=STATE_ROWS)
+                        T.wgmma_gemm(k_tile[st, :, :], u_op, state, transpose_A=True, policy=STATE_ROWS)
                         T.wait_wgmma(0)
-                    if num_chunks > 0:  # the transition's last second round
-                        T.wgmma_gemm(k_tile[(num_chunks - 1) % key_stages, :, :], transition_u_op, transition,
-                                     transpose_A=True, policy=STATE_ROWS)
-                        T.wait_wgmma(0)
+                        T.barrier_arrive(consumed[st])
+                        # M entering chunk c + 1, for prep (which has read M entering chunk c: U_M was ready)
+                        T.copy(transition, transition_op)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(transition_published)
                     T.copy(state, final_state[seq, hv, :, :])
                     T.copy(transition, final_state[num_seqs + seq, hv, :, :])
                 else:
@@ -593,7 +582,6 @@ def build_chunk_forward(
                 T.set_max_nreg(prep_regs.count, prep_regs.increase)
                 for c in T.serial(num_chunks):
                     st = c % STAGES
-                    kt = key_stage(c, st)
                     n = T.min(seqlen - c * C, C)
                     # Stage st of the operand ring was last read for chunk c - 2; the
                     # loader refilled the input ring's stage st only after the chain
@@ -603,15 +591,15 @@ def build_chunk_forward(
                     # Only a sequence's last chunk is short, so no later TMA write to
                     # this stage races with these stores.
                     if n < C:
-                        zero_rows_past(k_tile, kt, n, C, K)
+                        zero_rows_past(k_tile, st, n, C, K)
                         if read_values:
                             zero_rows_past(v_tile, st, n, C, block_v)
 
                     # Q K^T first: its gates and mask then run while Ak K is still on the tensor cores.
                     if store_output:
-                        T.wgmma_gemm(q_tile[st, :, :], k_tile[kt, :, :], qk, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(q_tile[st, :, :], k_tile[st, :, :], qk, transpose_B=True, clear_accum=True)
                     if correction == "kbar_loaded":
-                        T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[kt, :, :], kbar, clear_accum=True)
+                        T.wgmma_gemm(a_keys_tile[st, :, :], k_tile[st, :, :], kbar, clear_accum=True)
                     if query_norms:  # while the GEMMs run
                         query_inverse_norms(q_tile, q_scale, st, hkn, tx - CHAIN_THREADS, K)
                     for i in T.Parallel(C):
@@ -635,7 +623,7 @@ def build_chunk_forward(
                     if derive_keys:  # Ak = -Av diag(G rk): Av's rows past n only reach masked rows
                         for i, j in T.Parallel(C, C):
                             a_keys_op[i, j] = a_values_tile[st, i, j] * key_factor[j]
-                        T.wgmma_gemm(a_keys_op, k_tile[kt, :, :], kbar, clear_accum=True)
+                        T.wgmma_gemm(a_keys_op, k_tile[st, :, :], kbar, clear_accum=True)
                     if store_output:
                         T.wait_wgmma(1 if kbar_in_prep else 0)
                         gate_scores(qk, gamma_tile, q_scale, k_scale, st, hg, hkn, n, scale, C)
@@ -649,8 +637,8 @@ def build_chunk_forward(
                         # chain's state update, so decay them to the chunk end (0 past n).
                         # Read all, then write all: one barrier, not one per row block.
                         for i, d in T.Parallel(C, K):
-                            k_decayed[i, d] = k_tile[kt, i, d] * decay_to_end[st, i]
-                        T.copy(k_decayed, k_tile[kt, :, :])
+                            k_decayed[i, d] = k_tile[st, i, d] * decay_to_end[st, i]
+                        T.copy(k_decayed, k_tile[st, :, :])
                         # Kbar's slot is free once the chain's first round of chunk c - 1 is done.
                         if c > 0:
                             T.barrier_wait(kbar_read, (c - 1) % 2)
@@ -658,11 +646,19 @@ def build_chunk_forward(
                     # The chain reads these (and the zeroed v rows) with wgmma, the async proxy.
                     T.fence_proxy_async()
                     T.barrier_arrive(prepared[st])
+                    if joint:  # the transition's first round, U_M = Kbar M, masked past n
+                        T.barrier_wait(transition_published, c % 2)
+                        T.wgmma_gemm(kbar_op, transition_op, transition_u, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(C, block_v):
+                            transition_u[i, j] = T.Select(i < n, transition_u[i, j], T.float32(0))
+                        T.copy(transition_u, transition_u_op)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(transition_u_ready)
             else:
                 T.set_max_nreg(loader_regs.count, loader_regs.increase)
                 for c in T.serial(num_chunks):
                     st = c % STAGES
-                    kt = key_stage(c, st)
                     s = bos + c * C
                     # A slot is free once the chain released its previous chunk, in two parts (the
                     # first-round operands, then k); on the first lap round the ring there is none,
@@ -678,8 +674,8 @@ def build_chunk_forward(
                         T.tma_copy(A_keys[s : s + C, hv, :], a_keys_tile[st, :, :], barrier=loaded[st])
                     load_gates(gamma, None if query_norms else q_norm, k_norm, gamma_tile, q_scale, k_scale, s, h0,
                                hk0, st, loaded, C)
-                    T.barrier_wait(consumed[kt], (c // key_stages) % 2 ^ 1)
-                    T.tma_copy(k[s : s + C, hk, :], k_tile[kt, :, :], barrier=loaded[st])
+                    T.barrier_wait(consumed[st], (c // STAGES) % 2 ^ 1)
+                    T.tma_copy(k[s : s + C, hk, :], k_tile[st, :, :], barrier=loaded[st])
                     T.barrier_arrive(loaded[st])
 
     return chunk_forward

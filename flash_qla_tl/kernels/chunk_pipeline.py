@@ -25,9 +25,6 @@ LOADER_THREADS = 128
 CHAIN_REGS, PREP_REGS, LOADER_REGS = 168, 152, 24
 REGISTERS_PER_SM = 65536
 STAGES = 2
-# The keys' ring of context parallelism's joint first pass, which holds a chunk's keys into the next chunk
-# (chunk_forward, "The joint first pass").
-KEY_STAGES = 3
 # Named barrier of the chain warpgroups alone.  TileLang numbers the partial syncs it inserts itself from 3
 # upwards, one id per thread range in the order it meets them, without knowing the ids a kernel names; the
 # last of the 16 hardware barriers stays clear of that (3 collided with prep's 128-thread syncs once the chain
