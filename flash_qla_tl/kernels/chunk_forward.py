@@ -179,8 +179,8 @@ def build_chunk_forward(
 
     from .chunk_pipeline import (
         CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, LOADER_THREADS, PREP_REGS, PREP_THREADS, STAGES,
-        STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, publish_chain_tile, query_inverse_norms,
-        register_split, reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
+        STATE_ROWS, WARPGROUP_BARRIERS, gate_scores, head_columns, load_gates, query_inverse_norms, register_split,
+        reuse_chain_tile, start_walk, store_chain_tile, zero_rows_past,
     )
     from .transposed_fragments import SOURCE as TRANSPOSED_FRAGMENTS, accumulator_layout
 
