@@ -120,9 +120,10 @@ is prep's, so that the two walks' first rounds run side by side, each on its own
     prep  (chunk c):  Kbar, Kd (as for any pass);   U_M = Kbar M from the chain's tile, masked, to its own
 
 Prep has the registers for ``U_M`` once ``Kbar`` is in its tile; the chain waits for ``U_M`` only after its own
-first round and hand-over, and prep for ``M`` only after publishing the next chunk's operands.  (Until session
-43 the chain ran both first rounds itself, a round apart, in one accumulator: each walk's first round and
-hand-over stayed on the chain's path, ~1.9x one walk's time a chunk.)
+first round and hand-over, and prep for ``M`` only after publishing the next chunk's operands.  Against the
+chain running both first rounds itself, a round apart in one accumulator, this took 1-2% less time on the calls
+that run in segments (H100, 2026-12-07, BENCHMARKS.md "Session 43"): the pass's limit is elsewhere, not yet
+profiled (notes/joint-transition-plan.md).
 
 A TMA tile that crosses the sequence end carries the next sequence's tokens (or
 padding that may hold inf/NaN).  Prep zeroes those rows of k and v before any
