@@ -6,8 +6,9 @@
     python benchmarks/ncu_hotspots.py ncu_source.csv --phases
 
 ``--phases``: a warp-specialised kernel's time by role and by phase, with no stamps in its code.  The roles
-are the code between ``USETMAXREG`` instructions (each role sets its register count first); a role's phases
-are the code between its synchronisations (barriers, mbarrier waits and arrives, wgmma waits, fences).
+are the code between ``USETMAXREG`` instructions (each role sets its register count first; a kernel without
+them is one role); a role's phases are the code between its synchronisations (barriers, mbarrier waits and
+arrives, wgmma waits, fences).
 Every warp is sampled at the same rate, so a phase's share of its role's samples, scaled by the number of
 the role's warps that run it, is its share of the role's time.
 """
@@ -48,13 +49,15 @@ def hotspots(rows, count):
 
 def phases(rows):
     reasons = [k for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k]
-    starts = [i for i, r in enumerate(rows) if "SETMAXREG" in r["Source"]] + [len(rows)]
+    starts = [i for i, r in enumerate(rows) if "SETMAXREG" in r["Source"]] or [0]
+    starts.append(len(rows))
     total = sum(number(r, SAMPLES) for r in rows)
     for role, (a, b) in enumerate(itertools.pairwise(starts)):
         role_rows = rows[a:b]
         role_samples = sum(number(r, SAMPLES) for r in role_rows)
-        print(f"role {role} (SASS lines {a}-{b - 1}, {role_rows[0]['Source'].split()[-1]} registers): "
-              f"{role_samples / total:.1%} of the samples")
+        first = role_rows[0]["Source"]
+        registers = f", {first.split()[-1]} registers" if "SETMAXREG" in first else ""
+        print(f"role {role} (SASS lines {a}-{b - 1}{registers}): {role_samples / total:.1%} of the samples")
         start = a
         for i in range(a, b):
             if not (any(s in rows[i]["Source"] for s in SYNCS) or i == b - 1):

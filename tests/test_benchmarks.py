@@ -139,6 +139,24 @@ def test_ncu_phases_split_roles_at_their_register_counts_and_phases_at_their_syn
     assert "5-    5  55.6%" in out
 
 
+def test_ncu_phases_take_a_kernel_without_roles_as_one(tmp_path, capsys):
+    """A kernel that sets no register counts (``chunk_prep``) is one role from its first line, not nothing."""
+    import ncu_hotspots
+
+    columns = ["Address", "Source", ncu_hotspots.SAMPLES, "stall_long_sb"]
+    sass = [("LDG.E R1, desc[UR4][R2.64]", 5, 0), ("STS [R3], R1", 15, 15),
+            ("BAR.SYNC.DEFER_BLOCKING 0x0", 0, 0), ("FFMA R1, R2, R3, R4", 20, 0)]
+    lines = ['"preamble"'] + [",".join(f'"{c}"' for c in columns)]
+    lines += [",".join(f'"{v}"' for v in (f"0x{i:x}", *row)) for i, row in enumerate(sass)]
+    path = tmp_path / "source.csv"
+    path.write_text("\n".join(lines) + "\n")
+    ncu_hotspots.phases(ncu_hotspots.read(path))
+    out = capsys.readouterr().out
+    assert "role 0 (SASS lines 0-3): 100.0% of the samples" in out
+    assert "0-    2  50.0%" in out and "long_sb 75%" in out  # up to the barrier: 20 of the 40 samples
+    assert "3-    3  50.0%" in out
+
+
 def test_rows_say_at_what_clock_each_column_was_timed():
     """A column's SM clock, read as its timing ends, is printed beside its time (``-`` where NVML gave
     nothing), and reading it without a GPU gives nothing rather than failing."""
