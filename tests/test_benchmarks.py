@@ -119,6 +119,16 @@ def test_decode_rows_packed_as_a_serving_engine_batches_them():
     assert all(torch.equal(a, b) for a, b in zip(candidate(packed, True), (o_packed, state_packed)))
 
 
+def source_page(tmp_path, columns, sass):
+    """A made-up ncu source page (CSV) of ``sass`` rows (source, then the other ``columns``' values), one address
+    a row, after a preamble line as ncu writes it."""
+    lines = ['"preamble"'] + [",".join(f'"{c}"' for c in columns)]
+    lines += [",".join(f'"{v}"' for v in (f"0x{i:x}", *row)) for i, row in enumerate(sass)]
+    path = tmp_path / "source.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_ncu_phases_split_roles_at_their_register_counts_and_phases_at_their_syncs(tmp_path, capsys):
     """``ncu_hotspots.py --phases`` on a made-up source page: two roles, the second with a barrier."""
     import ncu_hotspots
@@ -127,11 +137,7 @@ def test_ncu_phases_split_roles_at_their_register_counts_and_phases_at_their_syn
     sass = [("USETMAXREG.DEALLOC.CTAPOOL 0x18", 0, 0, 0), ("LDS R1, [R2]", 10, 10, 0),
             ("USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0", 0, 0, 0), ("FFMA R1, R2, R3, R4", 30, 30, 0),
             ("BAR.SYNC.DEFER_BLOCKING 0x3, 0x80", 10, 0, 10), ("FMUL R1, R2, R3", 50, 50, 0)]
-    lines = ['"preamble"'] + [",".join(f'"{c}"' for c in columns)]
-    lines += [",".join(f'"{v}"' for v in (f"0x{i:x}", *row)) for i, row in enumerate(sass)]
-    path = tmp_path / "source.csv"
-    path.write_text("\n".join(lines) + "\n")
-    ncu_hotspots.phases(ncu_hotspots.read(path))
+    ncu_hotspots.phases(ncu_hotspots.read(source_page(tmp_path, columns, sass)))
     out = capsys.readouterr().out
     assert "role 0 (SASS lines 0-1, 0x18 registers): 10.0% of the samples" in out
     assert "role 1 (SASS lines 2-5, 0xc0 registers): 90.0% of the samples" in out
@@ -146,11 +152,7 @@ def test_ncu_phases_take_a_kernel_without_roles_as_one(tmp_path, capsys):
     columns = ["Address", "Source", ncu_hotspots.SAMPLES, "stall_long_sb"]
     sass = [("LDG.E R1, desc[UR4][R2.64]", 5, 0), ("STS [R3], R1", 15, 15),
             ("BAR.SYNC.DEFER_BLOCKING 0x0", 0, 0), ("FFMA R1, R2, R3, R4", 20, 0)]
-    lines = ['"preamble"'] + [",".join(f'"{c}"' for c in columns)]
-    lines += [",".join(f'"{v}"' for v in (f"0x{i:x}", *row)) for i, row in enumerate(sass)]
-    path = tmp_path / "source.csv"
-    path.write_text("\n".join(lines) + "\n")
-    ncu_hotspots.phases(ncu_hotspots.read(path))
+    ncu_hotspots.phases(ncu_hotspots.read(source_page(tmp_path, columns, sass)))
     out = capsys.readouterr().out
     assert "role 0 (SASS lines 0-3): 100.0% of the samples" in out
     assert "0-    2  50.0%" in out and "long_sb 75%" in out  # up to the barrier: 20 of the 40 samples
