@@ -32,7 +32,7 @@ BENCHMARKS.md "Session 29".)
 ``I + M`` is unit lower triangular, so ``A0`` needs no division.  It is inverted
 by 16 x 16 blocks in fp32: the four diagonal blocks ``X_ii = (I + M_ii)^-1`` by
 forward substitution on CUDA cores (one thread per column, 120 FMAs), then the
-six blocks below the diagonal by 32 x 32 doubling (``off_diagonal_blocks``) on
+six blocks below the diagonal by 32 x 32 doubling (``chunk_solve.off_diagonal_blocks``) on
 the tensor cores, as TF32 ``mma.sync`` of one term, each fp32 operand read to
 TF32 (11 significant bits, truncated).  That is enough: ``A0`` leaves in bf16
 (8 bits), and a float64 emulation of the whole forward with every other rounding
