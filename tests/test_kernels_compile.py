@@ -16,7 +16,8 @@ from flash_qla_tl.kernels.causal_conv_step import build_causal_conv_step
 from flash_qla_tl.kernels.chunk_forward import CORRECTIONS, build_chunk_forward
 from flash_qla_tl.kernels.chunk_local_gradients import build_chunk_local_gradients
 from flash_qla_tl.kernels.chunk_pipeline import (
-    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, PREP_REGS, WARPGROUP_BARRIERS, register_split,
+    CHAIN_BARRIER, CHAIN_REGS, CHAIN_THREADS, LOADER_REGS, PREP_REGS, PREP_THREADS, WARPGROUP_BARRIERS,
+    register_split,
 )
 from flash_qla_tl.kernels.chunk_prep import build_chunk_prep
 from flash_qla_tl.kernels.chunk_scores import build_chunk_scores
@@ -361,15 +362,15 @@ def test_context_parallel_reverse_passes_compile():
         build_reverse_state_pass(2, 8, 128, 128, "bfloat16", True, 64, False, False)
 
 
-def every_path_syncs(code: str) -> bool:
+def every_path_syncs(code: str, threads: int = CHAIN_THREADS) -> bool:
     """Whether every path through ``code`` (generated CUDA from a write to a read, which may close blocks and open
-    others) passes a sync of the chain warpgroups (a named barrier of their 256 threads: chunk_pipeline's
-    CHAIN_BARRIER, or one TileLang numbered for the same range): a closed block counts where
-    entered (a loop runs at least once), an ``if`` only with an ``else`` that syncs too; a block still open at
-    the end holds the read, so a sync in it counts."""
+    others) passes a sync of a role's ``threads`` (a named barrier of the chain warpgroups' 256 threads:
+    chunk_pipeline's CHAIN_BARRIER, or one TileLang numbered for the same range; of prep's 128): a closed block
+    counts where entered (a loop runs at least once), an ``if`` only with an ``else`` that syncs too; a block still
+    open at the end holds the read, so a sync in it counts."""
     frames = [{"kind": "top", "synced": False}]
     after_if = False
-    for token in re.findall(rf"\}} else \{{|if \(|\{{|\}}|__sync_thread_partial\(\d+, {CHAIN_THREADS}\)", code):
+    for token in re.findall(rf"\}} else \{{|if \(|\{{|\}}|__sync_thread_partial\(\d+, {threads}\)", code):
         if token == "if (":
             after_if = True
         elif token == "{":
@@ -410,6 +411,8 @@ def test_every_path_syncs_reads_branches():
     assert not every_path_syncs(f"if (n == 64) {{ {sync} }} else {{ y; }}")
     assert every_path_syncs(f"for (int i = 0; i < 4; ++i) {{ {sync} }}")
     assert every_path_syncs(f"}} {{ desc; {sync} ")  # the read's own block
+    prep_sync = f"tl::__sync_thread_partial(3, {PREP_THREADS});"
+    assert not every_path_syncs(f"}} {sync} x;", PREP_THREADS) and every_path_syncs(f"}} {prep_sync} x;", PREP_THREADS)
 
 
 @pytest.mark.parametrize("block_v, kind", [(b, kind) for b in (32, 64, 128) for kind in ("last", "first")]
@@ -435,6 +438,20 @@ def test_forward_pass_publishes_its_chain_tiles(block_v, segments, store_states)
                              not store_states, True, correction).get_kernel_source()
     tiles = ("state_op", "u_op", "u_decayed_op", "w_op")
     assert "ptx_stmatrix" in source and not unpublished_chain_tiles(source, tiles)
+
+
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_prep_publishes_the_query_norms_it_makes(block_v):
+    """With ``query_norms`` prep writes the queries' inverse norms (two threads a row) and reads them back for the
+    output's gates (every thread, other threads' rows): a sync of its 128 threads on every path between.  TileLang
+    inserts it; an explicit barrier under a runtime condition between the two made it leave its own out (session
+    46's solve-in-pass patch: a race under compute-sanitizer, o inf under synccheck), which this catches here."""
+    variant = hopper_forward.pass_variant(hopper_forward.StatePassPlan(block_v, None), True, query_norms=True)
+    source = compile_program(build_chunk_forward, 2, 8, 128, 128, "bfloat16", True, True, block_v, False, True, True,
+                             *variant).get_kernel_source()
+    write = re.search(r"\(\(float\*\)q_scale\)\[[^;]*\] = rsqrtf", source)
+    read = write and re.search(r"\(\(float\*\)q_scale\)\[", source[write.end():])
+    assert read and every_path_syncs(source[write.end(): write.end() + read.start()], PREP_THREADS)
 
 
 def test_joint_first_pass_publishes_its_chain_tiles():
