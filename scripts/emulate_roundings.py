@@ -4,6 +4,7 @@
     python scripts/emulate_roundings.py --decay strong --form residual
     python scripts/emulate_roundings.py --solves   # the chunk inverse's off-diagonal products in TF32, fp16, bf16
     python scripts/emulate_roundings.py --solves --key-norm 1.5      # keys of norm 1.5, no l2norm
+    python scripts/emulate_roundings.py --solves --form residual --gated --block 8  # I + M o E inverted, 8 x 8 blocks
 
 Runs the forward's chunk algorithm in float64, rounding to bf16 exactly where the
 kernels hand an operand to the tensor cores (``A_keys`` / ``A_values``, ``S``,
@@ -15,7 +16,9 @@ rounded to bf16 in memory (the first form of the kernels) or raw bf16 rows with
 fp32 inverse norms (what ``inverse_norms`` does now).  ``--solves``: the chunk
 inverse's blocks below the diagonal from products whose operands are read in one
 TF32 term, fp16 or bf16 instead of ``chunk_prep``'s three-term TF32 split
-(``notes/fused-forward-plan.md`` step 3 c).
+(``notes/fused-forward-plan.md`` step 3 c); ``--gated`` inverts ``I + M o E`` (whose inverse is ``A0 o E``,
+a fused prep's form) instead of ``I + M``, ``--block`` sets the diagonal blocks' size, and each line also gives
+the largest entry of the inverse (what fp16's 65504 has to hold).
 """
 
 import math
@@ -31,7 +34,7 @@ from helpers import make_inputs  # noqa: E402
 
 SITES = {"kbar": ("A", "S", "Kbar", "U", "U_decayed", "P", "O"),
          "residual": ("A", "S", "W", "U", "U_decayed", "P", "O")}
-BLOCK = 16  # the blocked inverse's diagonal blocks (chunk_prep)
+BLOCK = 16  # the blocked inverse's diagonal blocks (chunk_prep; --block)
 
 
 def to_tf32(x, nearest=True):
@@ -47,22 +50,22 @@ SOLVES = {"exact": lambda x: x, "tf32": to_tf32, "tf32-truncated": lambda x: to_
           "fp16": lambda x: x.half().double(), "bf16": lambda x: x.bfloat16().double()}
 
 
-def chunk_inverse(m, solve="exact"):
+def chunk_inverse(m, solve="exact", block=BLOCK):
     """``(I + m)^-1`` for a strictly lower ``m`` (a chunk's ``diag(beta) Kn Kn^T`` below its diagonal) as
-    chunk_prep forms it: the 16 x 16 diagonal blocks by substitution (fp32, taken as exact), then the blocks
-    below them by doubling, ``X_ij = -X_ii (sum_k M_ik X_kj)`` over 32 x 32 halves then the whole chunk, each
+    chunk_prep forms it: the ``block`` x ``block`` diagonal blocks by substitution (fp32, taken as exact), then
+    the blocks below them by doubling, ``X_ij = -X_ii (sum_k M_ik X_kj)`` over blocks twice as wide each round, each
     product's operands read as ``SOLVES[solve]`` reads them (so each sum is rounded as it becomes the right
     operand of the next product, as it does leaving the accumulator)."""
     n = m.shape[0]
     eye = torch.eye(n, dtype=torch.float64)
-    if solve == "exact" or n <= BLOCK:
+    if solve == "exact" or n <= block:
         return torch.linalg.solve_triangular(eye + m, eye, upper=False)
     read = SOLVES[solve]
     x = torch.zeros_like(m)
-    for b in range(0, n, BLOCK):
-        e = slice(b, min(b + BLOCK, n))
+    for b in range(0, n, block):
+        e = slice(b, min(b + block, n))
         x[e, e] = torch.linalg.solve_triangular(eye[e, e] + m[e, e], eye[e, e], upper=False)
-    width = BLOCK
+    width = block
     while width < n:  # join diagonal halves of 2 x width into one block: X_10 = -X_11 (M_10 X_00)
         for b in range(0, n, 2 * width):
             top, bottom = slice(b, b + width), slice(b + width, min(b + 2 * width, n))
@@ -77,18 +80,26 @@ def bf16(x, site, exact):
     return x if site in exact else x.to(torch.bfloat16).double()
 
 
-def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, solve="exact"):
+def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, solve="exact", gated=False,
+            block=BLOCK, largest=None):
     """One sequence, one value head; q and k already normalised; ``form``: Kbar in prep or the chain's W;
-    ``solve``: how the chunk inverse's products below the diagonal read their operands (``SOLVES``)."""
+    ``solve``: how the chunk inverse's products below the diagonal read their operands (``SOLVES``); ``gated``:
+    the inverse of ``I + M o E`` (``A0 o E``) instead of ``A0``; ``largest``: a list the inverse's largest entry
+    is appended to."""
     outs = []
     for s in range(0, k.shape[0], chunk):
         qc, kc, vc, gc, bc = (x[s : s + chunk] for x in (q, k, v, g, beta))
         gamma = gc.cumsum(0)
-        a0 = chunk_inverse((bc[:, None] * (kc @ kc.T)).tril(-1), solve)
-        a = a0 * bc[None, :]
         decay = (gamma[:, None] - gamma[None, :]).exp().tril()
-        a_keys = bf16(-gamma.exp()[:, None] * a, "A", exact)
-        a_values = bf16(a * decay, "A", exact)
+        m = (bc[:, None] * (kc @ kc.T)).tril(-1)
+        a0 = chunk_inverse(m * decay if gated else m, solve, block)
+        if largest is not None:
+            largest.append(a0.abs().max().item())
+        if gated:  # the solve's output is A0 o E already: the operand is one column scaling away
+            a_values = bf16(a0 * bc[None, :], "A", exact)
+        else:
+            a_keys = bf16(-gamma.exp()[:, None] * a0 * bc[None, :], "A", exact)
+            a_values = bf16(a0 * bc[None, :] * decay, "A", exact)
         s_op = bf16(state, "S", exact)
         if form == "kbar":
             u = a_values @ vc + bf16(a_keys @ kc, "Kbar", exact) @ s_op
@@ -101,11 +112,11 @@ def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, sol
     return torch.cat(outs), state
 
 
-def errors(x, o_ref, s_ref, q, k, exact, form, heads=2, solve="exact"):
+def errors(x, o_ref, s_ref, q, k, exact, form, heads=2, **solve):
     eo = es = no = ns = 0.0
     for h in range(heads):
         o, s = emulate(q, k, x["v"][0, :, h], x["g"][0, :, h], x["beta"][0, :, h], x["initial_state"][0, h],
-                       q.shape[-1] ** -0.5, exact, form, solve=solve)
+                       q.shape[-1] ** -0.5, exact, form, **solve)
         eo += (o - o_ref[0, :, h]).norm().item() ** 2
         no += o_ref[0, :, h].norm().item() ** 2
         es += (s - s_ref[0, h]).norm().item() ** 2
@@ -125,7 +136,14 @@ def main():
     parser.add_argument("--key-norm", type=float,
                         help="with --solves: keys of this norm in bf16, no l2norm (a harder inverse than unit keys)")
     parser.add_argument("--beta-scale", type=float, default=1.0, help="with --solves: beta times this (up to 2)")
+    parser.add_argument("--gated", action="store_true",
+                        help="with --solves: invert I + M o E (the operand A0 o E comes out of the solve; the "
+                             "residual form, which needs no A_keys)")
+    parser.add_argument("--block", type=int, default=BLOCK, help="with --solves: the diagonal blocks' size")
+    parser.add_argument("--only", help="with --solves: comma-separated SOLVES to run (all by default)")
     args = parser.parse_args()
+    if args.gated and args.form != "residual":
+        parser.error("--gated makes no A_keys: use it with --form residual")
     torch.set_num_threads(2)
     raw = make_inputs(kdim=128, vdim=128, hqk=1, hv=2, seqs=[12000], decay=args.decay, initial_state=True,
                       key_scale=128 ** -0.5, dtype=torch.bfloat16)
@@ -137,9 +155,12 @@ def main():
             qn, kn = qn.bfloat16().double(), (kn * (args.key_norm or 1)).bfloat16().double()
             x = dict(x, q=qn[None, :, None], k=kn[None, :, None], beta=x["beta"] * args.beta_scale)
             o_ref, s_ref = reference.chunked_gated_delta_rule(**x, output_final_state=True)
-        for solve in SOLVES:
-            o_err, s_err = errors(x, o_ref, s_ref, qn, kn, (), args.form, solve=solve)
-            print(f"  solve's products {solve:14s} o {o_err:.2e}  state {s_err:.2e}", flush=True)
+        for solve in args.only.split(",") if args.only else SOLVES:
+            largest = []
+            o_err, s_err = errors(x, o_ref, s_ref, qn, kn, (), args.form, solve=solve, gated=args.gated,
+                                  block=args.block, largest=largest)
+            print(f"  solve's products {solve:14s} o {o_err:.2e}  state {s_err:.2e}  largest |inverse| "
+                  f"{max(largest):.3g}", flush=True)
         return
     for label, q, k in (("q/k normalised and rounded to bf16 in memory", qn.bfloat16().double(), kn.bfloat16().double()),
                         ("raw bf16 q/k, fp32 inverse norms", qn, kn)):
