@@ -20,7 +20,8 @@ for trial in range(4):
     g = -torch.rand(n, dtype=torch.float64) * 0.1
     decay = (g.cumsum(0)[:, None] - g.cumsum(0)[None, :]).exp()
     for gated in (False, True):
-        a = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + (beta[:, None] * (k @ k.T) * (decay if gated else 1)).tril(-1))
+        m = (beta[:, None] * (k @ k.T) * (decay if gated else 1)).tril(-1)
+        a = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + m)
         t = torch.eye(n, dtype=torch.float64)
         for r in range(n):
             for j in range(r):
