@@ -15,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-$PWD/.venv/bin/python}
+[ -x "$PY" ] || { echo "no $PY: run 'make .venv/.installed' first, or set PY" >&2; exit 1; }
 R=$PWD/benchmarks/results
 base=(s46-solve-in-pass s47-register-solve-in-pass)
 v9=(s49-operand-from-registers s49-half-products s49-halves s49-strip-in-registers)
