@@ -95,11 +95,12 @@ def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, sol
         a0 = chunk_inverse(m * decay if gated else m, solve, block)
         if largest is not None:
             largest.append(a0.abs().max().item())
+        a = a0 * bc[None, :]
         if gated:  # the solve's output is A0 o E already: the operand is one column scaling away
-            a_values = bf16(a0 * bc[None, :], "A", exact)
+            a_values = bf16(a, "A", exact)
         else:
-            a_keys = bf16(-gamma.exp()[:, None] * a0 * bc[None, :], "A", exact)
-            a_values = bf16(a0 * bc[None, :] * decay, "A", exact)
+            a_keys = bf16(-gamma.exp()[:, None] * a, "A", exact)
+            a_values = bf16(a * decay, "A", exact)
         s_op = bf16(state, "S", exact)
         if form == "kbar":
             u = a_values @ vc + bf16(a_keys @ kc, "Kbar", exact) @ s_op
@@ -144,6 +145,9 @@ def main():
     args = parser.parse_args()
     if args.gated and args.form != "residual":
         parser.error("--gated makes no A_keys: use it with --form residual")
+    solves = args.only.split(",") if args.only else list(SOLVES)
+    if set(solves) - set(SOLVES):
+        parser.error(f"--only takes some of {', '.join(SOLVES)}, not {', '.join(sorted(set(solves) - set(SOLVES)))}")
     torch.set_num_threads(2)
     raw = make_inputs(kdim=128, vdim=128, hqk=1, hv=2, seqs=[12000], decay=args.decay, initial_state=True,
                       key_scale=128 ** -0.5, dtype=torch.bfloat16)
@@ -155,7 +159,7 @@ def main():
             qn, kn = qn.bfloat16().double(), (kn * (args.key_norm or 1)).bfloat16().double()
             x = dict(x, q=qn[None, :, None], k=kn[None, :, None], beta=x["beta"] * args.beta_scale)
             o_ref, s_ref = reference.chunked_gated_delta_rule(**x, output_final_state=True)
-        for solve in args.only.split(",") if args.only else SOLVES:
+        for solve in solves:
             largest = []
             o_err, s_err = errors(x, o_ref, s_ref, qn, kn, (), args.form, solve=solve, gated=args.gated,
                                   block=args.block, largest=largest)
