@@ -86,6 +86,7 @@ def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, sol
     ``solve``: how the chunk inverse's products below the diagonal read their operands (``SOLVES``); ``gated``:
     the inverse of ``I + M o E`` (``A0 o E``) instead of ``A0``; ``largest``: a list the inverse's largest entry
     is appended to."""
+    assert form == "residual" or not gated, "the gated inverse makes no A_keys: the residual form only"
     outs = []
     for s in range(0, k.shape[0], chunk):
         qc, kc, vc, gc, bc = (x[s : s + chunk] for x in (q, k, v, g, beta))
@@ -113,11 +114,12 @@ def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, sol
     return torch.cat(outs), state
 
 
-def errors(x, o_ref, s_ref, q, k, exact, form, heads=2, **solve):
+def errors(x, o_ref, s_ref, q, k, exact, form, heads=2, **how):
+    """Relative RMS errors of o and the final state over ``heads`` value heads; ``how``: emulate's solve options."""
     eo = es = no = ns = 0.0
     for h in range(heads):
         o, s = emulate(q, k, x["v"][0, :, h], x["g"][0, :, h], x["beta"][0, :, h], x["initial_state"][0, h],
-                       q.shape[-1] ** -0.5, exact, form, **solve)
+                       q.shape[-1] ** -0.5, exact, form, **how)
         eo += (o - o_ref[0, :, h]).norm().item() ** 2
         no += o_ref[0, :, h].norm().item() ** 2
         es += (s - s_ref[0, h]).norm().item() ** 2
