@@ -5,6 +5,7 @@
     python scripts/emulate_roundings.py --solves   # the chunk inverse's off-diagonal products in TF32, fp16, bf16
     python scripts/emulate_roundings.py --solves --key-norm 1.5      # keys of norm 1.5, no l2norm
     python scripts/emulate_roundings.py --solves --form residual --gated --block 8  # I + M o E inverted, 8 x 8 blocks
+    python scripts/emulate_roundings.py --updates --decay strong   # the state update from U or from Y = K^T Av
 
 Runs the forward's chunk algorithm in float64, rounding to bf16 exactly where the
 kernels hand an operand to the tensor cores (``A_keys`` / ``A_values``, ``S``,
@@ -49,6 +50,13 @@ def to_tf32(x, nearest=True):
 SOLVES = {"exact": lambda x: x, "tf32": to_tf32, "tf32-truncated": lambda x: to_tf32(x, nearest=False),
           "fp16": lambda x: x.half().double(), "bf16": lambda x: x.bfloat16().double()}
 
+# How a state pass updates the state from a chunk (the residual form): from the decayed U, as every pass does
+# (``S <- g S + K^T bf16(diag(to_end) U)``, U = Av W), or from one state-independent product per chunk in bf16,
+# ``Y = K^T diag(to_end) Av``, as a states-only pass could (``S <- g S + Y W``: one dependent GEMM fewer on its
+# chain; notes/joint-transition-plan.md, "Session 51"): ``y`` from the operand Av decayed by rows, ``y-gate-free``
+# as ``(K^T A) diag(to_end)`` from the gate-free ``A = A0 diag(beta)`` (``to_end_r E_rj = to_end_j``).
+UPDATES = ("decayed-u", "y", "y-gate-free")
+
 
 def chunk_inverse(m, solve="exact", block=BLOCK):
     """``(I + m)^-1`` for a strictly lower ``m`` (a chunk's ``diag(beta) Kn Kn^T`` below its diagonal) as
@@ -81,12 +89,14 @@ def bf16(x, site, exact):
 
 
 def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, solve="exact", gated=False,
-            block=BLOCK, largest=None):
+            block=BLOCK, largest=None, update="decayed-u"):
     """One sequence, one value head; q and k already normalised; ``form``: Kbar in prep or the chain's W;
     ``solve``: how the chunk inverse's products below the diagonal read their operands (``SOLVES``); ``gated``:
     the inverse of ``I + M o E`` (``A0 o E``) instead of ``A0``; ``largest``: a list the inverse's largest entry
-    is appended to."""
+    is appended to; ``update``: how the state update reads its operands (``UPDATES``)."""
     assert form == "residual" or not gated, "the gated inverse makes no A_keys: the residual form only"
+    assert form == "residual" or update == "decayed-u", "the state update from Y needs W: the residual form only"
+    assert not (gated and update == "y-gate-free"), "the gated inverse has no gate-free A to make Y from"
     outs = []
     for s in range(0, k.shape[0], chunk):
         qc, kc, vc, gc, bc = (x[s : s + chunk] for x in (q, k, v, g, beta))
@@ -106,16 +116,24 @@ def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, sol
         if form == "kbar":
             u = a_values @ vc + bf16(a_keys @ kc, "Kbar", exact) @ s_op
         else:
-            u = a_values @ bf16(vc - gamma.exp()[:, None] * (kc @ s_op), "W", exact)
+            w = bf16(vc - gamma.exp()[:, None] * (kc @ s_op), "W", exact)
+            u = a_values @ w
         p = bf16(scale * (qc @ kc.T) * decay, "P", exact)
         outs.append(bf16(scale * gamma.exp()[:, None] * (qc @ s_op) + p @ bf16(u, "U", exact), "O", exact))
         to_end = (gamma[-1] - gamma).exp()
-        state = gamma[-1].exp() * state + kc.T @ bf16(to_end[:, None] * u, "U_decayed", exact)
+        if update == "decayed-u":
+            state = gamma[-1].exp() * state + kc.T @ bf16(to_end[:, None] * u, "U_decayed", exact)
+        else:  # S <- g S + Y W, Y = K^T diag(to_end) Av: no U on the state's path
+            if update == "y":  # from the operand Av decayed by rows (rounded again)
+                y = bf16(kc.T @ bf16(to_end[:, None] * a_values, "A_decayed", exact), "Y", exact)
+            else:  # since to_end_r E_rj = to_end_j, Y = (K^T A) diag(to_end): the gate-free A, decayed by columns
+                y = bf16((kc.T @ bf16(a, "A", exact)) * to_end[None, :], "Y", exact)
+            state = gamma[-1].exp() * state + y @ w
     return torch.cat(outs), state
 
 
 def errors(x, o_ref, s_ref, q, k, exact, form, heads=2, **how):
-    """Relative RMS errors of o and the final state over ``heads`` value heads; ``how``: emulate's solve options."""
+    """Relative RMS errors of o and the final state over ``heads`` value heads; ``how``: emulate's other options."""
     eo = es = no = ns = 0.0
     for h in range(heads):
         o, s = emulate(q, k, x["v"][0, :, h], x["g"][0, :, h], x["beta"][0, :, h], x["initial_state"][0, h],
@@ -137,16 +155,23 @@ def main():
                         help="instead: every rounding on, the chunk inverse's products below the diagonal read as "
                              "each of SOLVES reads them (raw bf16 q/k with fp32 inverse norms)")
     parser.add_argument("--key-norm", type=float,
-                        help="with --solves: keys of this norm in bf16, no l2norm (a harder inverse than unit keys)")
-    parser.add_argument("--beta-scale", type=float, default=1.0, help="with --solves: beta times this (up to 2)")
+                        help="with --solves or --updates: keys of this norm in bf16, no l2norm (a harder inverse "
+                             "than unit keys)")
+    parser.add_argument("--beta-scale", type=float, default=1.0,
+                        help="with --solves or --updates: beta times this (up to 2)")
     parser.add_argument("--gated", action="store_true",
                         help="with --solves: invert I + M o E (the operand A0 o E comes out of the solve; the "
                              "residual form, which needs no A_keys)")
     parser.add_argument("--block", type=int, default=BLOCK, help="with --solves: the diagonal blocks' size")
     parser.add_argument("--only", help="with --solves: comma-separated SOLVES to run (all by default)")
+    parser.add_argument("--updates", action="store_true",
+                        help="instead: every rounding on, the residual form's state update from the decayed U and "
+                             "from Y (UPDATES; raw bf16 q/k with fp32 inverse norms, --key-norm and --beta-scale too)")
     args = parser.parse_args()
     if args.gated and args.form != "residual":
         parser.error("--gated makes no A_keys: use it with --form residual")
+    if args.gated and args.updates:
+        parser.error("--updates compares Y from the gate-free A: not with --gated")
     solves = args.only.split(",") if args.only else list(SOLVES)
     if set(solves) - set(SOLVES):
         parser.error(f"--only takes some of {', '.join(SOLVES)}, not {', '.join(sorted(set(solves) - set(SOLVES)))}")
@@ -156,11 +181,16 @@ def main():
     x = {n: t.double() if t.is_floating_point() else t for n, t in raw.items()}
     o_ref, s_ref = reference.chunked_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
     qn, kn = reference.l2norm(x["q"][0, :, 0]), reference.l2norm(x["k"][0, :, 0])
+    if (args.solves or args.updates) and (args.key_norm is not None or args.beta_scale != 1):
+        qn, kn = qn.bfloat16().double(), (kn * (args.key_norm or 1)).bfloat16().double()
+        x = dict(x, q=qn[None, :, None], k=kn[None, :, None], beta=x["beta"] * args.beta_scale)
+        o_ref, s_ref = reference.chunked_gated_delta_rule(**x, output_final_state=True)
+    if args.updates:
+        for update in UPDATES:
+            o_err, s_err = errors(x, o_ref, s_ref, qn, kn, (), "residual", update=update)
+            print(f"  state update {update:12s} o {o_err:.2e}  state {s_err:.2e}", flush=True)
+        return
     if args.solves:
-        if args.key_norm is not None or args.beta_scale != 1:
-            qn, kn = qn.bfloat16().double(), (kn * (args.key_norm or 1)).bfloat16().double()
-            x = dict(x, q=qn[None, :, None], k=kn[None, :, None], beta=x["beta"] * args.beta_scale)
-            o_ref, s_ref = reference.chunked_gated_delta_rule(**x, output_final_state=True)
         for solve in solves:
             largest = []
             o_err, s_err = errors(x, o_ref, s_ref, qn, kn, (), args.form, solve=solve, gated=args.gated,
