@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Session 51's staged calls (not run: no device was lent), three of ~5 min: STEPS="1 2", STEPS="3 4", STEPS="5 6"
-# (all by default).  Trees and programs: stage-s51.sh (and, for v11c, stage-s49.sh).  Carry .gpu, .ab/s43, .ab/jy,
-# .ab/v11c, .ab/tlc51.tar.xz, .ab/tlcjy.tar.xz and .ab/tlc49.tar.xz (~53 MB).
+# Session 51's staged calls (not run: no device was lent), three of ~5 min: STEPS="5 6" first (jy's correctness: a
+# crash of its kernel would take step 1's whole process with it), then STEPS="1 2" (NO_JY=1 leaves jy out of step 1
+# if its tests failed), then STEPS="3 4"; all six by default.  Trees and programs: stage-s51.sh (and, for v11c,
+# stage-s49.sh).  Carry .gpu, .ab/s43, .ab/jy, .ab/v11c, .ab/tlc51.tar.xz, .ab/tlcjy.tar.xz and .ab/tlc49.tar.xz
+# (~54 MB).
 #   1. s43 and jy against main on the rows in segments, both modes, every output checked against float64;
 #   2. main's two bar rows (and their neighbours), ours only: no forward kernel of theirs changed since session 41;
 #   3. v11c's pass (the leanest fused prep built, every chunk solved in the pass) by roles and phases, from ncu's
@@ -27,11 +29,11 @@ phases() {  # name, then profile_kernels.py's options: chunk_forward's third lau
   python benchmarks/ncu_hotspots.py "$OUT/ncu-fwd-$name.csv" --phases 2>&1 | tee "$OUT/ncu-fwd-phases-$name.log" | head -70
   xz -9 "$OUT/ncu-fwd-$name.csv"
 }
-for step in ${STEPS:-1 2 3 4}; do
+for step in ${STEPS:-5 6 1 2 3 4}; do
   echo "=== $step ($(date +%T))"
   case $step in
     1) timeout 300 python benchmarks/bench_forward.py --heads 16x32,2x8,16x16 --lengths 1x32768,1x8192,24576+8192 \
-         --no-peers --candidate s43=.ab/s43/flash_qla_tl --candidate jy=.ab/jy/flash_qla_tl --out "$OUT/segments" \
+         --no-peers --candidate s43=.ab/s43/flash_qla_tl $([ -n "${NO_JY:-}" ] || echo --candidate jy=.ab/jy/flash_qla_tl) --out "$OUT/segments" \
          2>&1 | grep -v INFO \
          | tee "$OUT/segments.log" | tail -40 ;;
     2) timeout 120 python benchmarks/bench_forward.py --heads 16x32,16x64 --lengths 8192x4,4096+4096 --no-peers \
