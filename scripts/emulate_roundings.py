@@ -96,6 +96,7 @@ def emulate(q, k, v, g, beta, state, scale, exact=(), form="kbar", chunk=64, sol
     is appended to; ``update``: how the state update reads its operands (``UPDATES``)."""
     assert form == "residual" or not gated, "the gated inverse makes no A_keys: the residual form only"
     assert form == "residual" or update == "decayed-u", "the state update from Y needs W: the residual form only"
+    assert update in UPDATES, f"update must be one of {UPDATES}, got {update!r}"
     assert not (gated and update == "y-gate-free"), "the gated inverse has no gate-free A to make Y from"
     outs = []
     for s in range(0, k.shape[0], chunk):
