@@ -2,7 +2,8 @@
 
     python scripts/emulate_roundings.py            # no decay, 12 000 tokens (the hardest GPU test)
     python scripts/emulate_roundings.py --decay strong --form residual
-    python scripts/emulate_roundings.py --solves   # the chunk inverse's off-diagonal products in TF32, fp16, bf16
+    python scripts/emulate_roundings.py --solves   # the chunk inverse's off-diagonal products in TF32, fp16, bf16, or
+                                                   # the whole solve in an fp16 tile (fp16-tile)
     python scripts/emulate_roundings.py --solves --key-norm 1.5      # keys of norm 1.5, no l2norm
     python scripts/emulate_roundings.py --solves --form residual --gated --block 8  # I + M o E inverted, 8 x 8 blocks
     python scripts/emulate_roundings.py --updates --decay strong   # the state update from U or from Y = K^T Av
@@ -48,7 +49,10 @@ def to_tf32(x, nearest=True):
 # How the products of the solve's blocks below the diagonal read their operands (fp32 accumulation, exact here):
 # chunk_prep's three-term TF32 split carries about fp32's rounding (taken as exact), one TF32 term 11 bits.
 SOLVES = {"exact": lambda x: x, "tf32": to_tf32, "tf32-truncated": lambda x: to_tf32(x, nearest=False),
-          "fp16": lambda x: x.half().double(), "bf16": lambda x: x.bfloat16().double()}
+          "fp16": lambda x: x.half().double(), "bf16": lambda x: x.bfloat16().double(),
+          "fp16-tile": lambda x: x.half().double()}
+# ``fp16-tile``: the whole solve in an fp16 tile (session 52's staged fused prep, variants-s52-half-inverse.patch): M
+# itself rounded to fp16 before the diagonal blocks' substitution reads it, as well as every product's operands.
 
 # How a state pass updates the state from a chunk (the residual form): from the decayed U, as every pass does
 # (``S <- g S + K^T bf16(diag(to_end) U)``, U = Av W), or from one state-independent product per chunk in bf16,
@@ -69,6 +73,8 @@ def chunk_inverse(m, solve="exact", block=BLOCK):
     if solve == "exact" or n <= block:
         return torch.linalg.solve_triangular(eye + m, eye, upper=False)
     read = SOLVES[solve]
+    if solve == "fp16-tile":
+        m = read(m)
     x = torch.zeros_like(m)
     for b in range(0, n, block):
         e = slice(b, min(b + block, n))
