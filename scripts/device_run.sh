@@ -126,23 +126,24 @@ for step in $steps; do
     kernelcheck) timeout 300 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tee "$OUT/kernelcheck.log" \
              | tail -20 ;;
     sanitize) # SANITIZE: extra options of scripts/sanitize_kernels.py (--forward-only, --chunked-only or --decode-only);
-              # SANITIZE_KERNEL: a regex, the kernels the tools check (default all)
+              # SANITIZE_KERNEL: a regex, the kernels the tools check (default all); SANITIZE_SCRIPT: another
+              # script whose calls the tools watch (a candidate's own, benchmarks/results/sanitize-v12-s52.py)
       compute-sanitizer --version | tail -1
       # first without a tool, which compiles every program into the cache: under a tool TileLang's compiles
       # crawl (in session 17 memcheck spent its 400 s compiling); the tools then watch this process only
-      timeout 400 python scripts/sanitize_kernels.py ${SANITIZE:-} 2>&1 | grep -v INFO | tail -3
+      timeout 400 python ${SANITIZE_SCRIPT:-scripts/sanitize_kernels.py} ${SANITIZE:-} 2>&1 | grep -v INFO | tail -3
       # The three tools side by side, each its own process on the one GPU: one after another they took about 820 s
       # with the compile pass (--chunked-only, H200, session 22; from the calls' wall times, not timed apart), a third of a session's device time.
       rm -f /tmp/sanitize-*.rc
       for tool in memcheck racecheck synccheck; do
         ( timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 --target-processes application-only \
-            ${SANITIZE_KERNEL:+--kernel-name regex=$SANITIZE_KERNEL} python scripts/sanitize_kernels.py ${SANITIZE:-} \
+            ${SANITIZE_KERNEL:+--kernel-name regex=$SANITIZE_KERNEL} python ${SANITIZE_SCRIPT:-scripts/sanitize_kernels.py} ${SANITIZE:-} \
             > "$OUT/sanitize-$tool.log" 2>&1; echo $? > "/tmp/sanitize-$tool.rc" ) &
       done
       wait
       for tool in memcheck racecheck synccheck; do
         echo "$tool: exit $(cat /tmp/sanitize-$tool.rc)"
-        grep -v INFO "$OUT/sanitize-$tool.log" | grep -i "error summary\|hazard\|relative\|finite" | head -20
+        grep -v INFO "$OUT/sanitize-$tool.log" | grep -i "error summary\|hazard\|relative\|finite\|worst" | head -20
       done ;;
     hazards) # racecheck's hazards one by one (threads, block, shared address) for the kernels named by
              # HAZARD_KERNEL (a regex, default the local-gradient kernel), to narrow a report down;
@@ -180,14 +181,23 @@ for step in $steps; do
              m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); \
              m.run_benchmark(repo_id='.', branch=None, version=None, iterations=30, warmup=5)" 2>&1 \
              | grep -v INFO | tee "$OUT/kbench.log" | tail -25 ;;
-    ncusrc) # NCU_KERNEL (a regex, default chunk_forward) and NCU_PROBLEM (profile_kernels.py's options)
-      ncu --clock-control none -k regex:${NCU_KERNEL:-chunk_forward} --launch-count 1 --launch-skip 2 \
+    ncusrc) # NCU_KERNEL (a regex, default chunk_forward) and NCU_PROBLEM (profile_kernels.py's options, --package
+            # for another revision's); NCU_PHASES=NAME: its third launch by warp roles and phases instead of hotspots,
+            # into ncu-fwd-phases-NAME.log, the source page kept as ncu-fwd-NAME.csv.xz
+      timeout 200 ncu --clock-control none -k regex:${NCU_KERNEL:-chunk_forward} --launch-count 1 --launch-skip 2 \
         --section WarpStateStats --section SourceCounters --page source --csv --print-source sass \
         python benchmarks/profile_kernels.py ${NCU_PROBLEM:---heads 16x32 --lengths 32768x1} \
         > "$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
-      python benchmarks/ncu_hotspots.py "$OUT/ncu_source.csv" 45 2>&1 | tee "$OUT/ncu_hotspots-${NCU_KERNEL:-chunk_forward}.log" \
-        | head -${NCU_LINES:-50}
-      rm -f "$OUT/ncu_source.csv" ;;
+      echo "ncu: exit $?"; tail -3 "$OUT/ncu_source.err"
+      if [ -n "${NCU_PHASES:-}" ]; then
+        python benchmarks/ncu_hotspots.py "$OUT/ncu_source.csv" --phases 2>&1 \
+          | tee "$OUT/ncu-fwd-phases-$NCU_PHASES.log" | head -${NCU_LINES:-70}
+        mv "$OUT/ncu_source.csv" "$OUT/ncu-fwd-$NCU_PHASES.csv" && xz -9 "$OUT/ncu-fwd-$NCU_PHASES.csv"
+      else
+        python benchmarks/ncu_hotspots.py "$OUT/ncu_source.csv" 45 2>&1 \
+          | tee "$OUT/ncu_hotspots-${NCU_KERNEL:-chunk_forward}.log" | head -${NCU_LINES:-50}
+        rm -f "$OUT/ncu_source.csv"
+      fi ;;
     cold)  python benchmarks/cold_start.py 2>&1 | tail -3 ;;
     preplatency) # chunk_prep alone on its SM against packed (benchmarks/prep_latency.py; PREP_LATENCY_ARGS)
       python benchmarks/prep_latency.py ${PREP_LATENCY_ARGS:-} 2>&1 | grep -v INFO | tee "$OUT/prep-latency.log" ;;

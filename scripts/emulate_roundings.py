@@ -48,11 +48,14 @@ def to_tf32(x, nearest=True):
 
 # How the products of the solve's blocks below the diagonal read their operands (fp32 accumulation, exact here):
 # chunk_prep's three-term TF32 split carries about fp32's rounding (taken as exact), one TF32 term 11 bits.
-SOLVES = {"exact": lambda x: x, "tf32": to_tf32, "tf32-truncated": lambda x: to_tf32(x, nearest=False),
-          "fp16": lambda x: x.half().double(), "bf16": lambda x: x.bfloat16().double(),
-          "fp16-tile": lambda x: x.half().double()}
+def to_fp16(x):
+    return x.half().double()
+
+
 # ``fp16-tile``: the whole solve in an fp16 tile (session 52's staged fused prep, variants-s52-half-inverse.patch): M
 # itself rounded to fp16 before the diagonal blocks' substitution reads it, as well as every product's operands.
+SOLVES = {"exact": lambda x: x, "tf32": to_tf32, "tf32-truncated": lambda x: to_tf32(x, nearest=False),
+          "fp16": to_fp16, "bf16": lambda x: x.bfloat16().double(), "fp16-tile": to_fp16}
 
 # How a state pass updates the state from a chunk (the residual form): from the decayed U, as every pass does
 # (``S <- g S + K^T bf16(diag(to_end) U)``, U = Av W), or from one state-independent product per chunk in bf16,

@@ -22,12 +22,7 @@ mkdir -p /tmp/tlc && for t in tlc51 tlcjy tlc49; do tar -xJf .ab/$t.tar.xz -C /t
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 phases() {  # name, then profile_kernels.py's options: chunk_forward's third launch by roles and phases
   local name=$1; shift
-  timeout 200 ncu --clock-control none --section WarpStateStats --section SourceCounters --page source --csv \
-    --print-source sass -k regex:chunk_forward --launch-count 1 --launch-skip 2 \
-    python benchmarks/profile_kernels.py --l2norm 0 "$@" > "$OUT/ncu-fwd-$name.csv" 2> "$OUT/ncu-fwd-$name.err"
-  echo "rc $?"; tail -3 "$OUT/ncu-fwd-$name.err"
-  python benchmarks/ncu_hotspots.py "$OUT/ncu-fwd-$name.csv" --phases 2>&1 | tee "$OUT/ncu-fwd-phases-$name.log" | head -70
-  xz -9 "$OUT/ncu-fwd-$name.csv"
+  NCU_PHASES=$name NCU_PROBLEM="--l2norm 0 $*" bash scripts/device_run.sh ncusrc
 }
 for step in ${STEPS:-5 6 1 2 3 4}; do
   echo "=== $step ($(date +%T))"

@@ -46,26 +46,12 @@ for step in ${STEPS:-1 2 3 4 5}; do
          L2NORM=1 tl main; L2NORM=1 tl v12; L2NORM=1 FQLA_GRAM_AFTER_P=1 tl v12; } 2>&1 | tee "$OUT/timelines.log" ;;
     3) timeout 240 python benchmarks/bench_forward.py --heads 16x32,16x64 --lengths 8192x4,4096+4096 --no-peers \
          --candidate v12=.ab/v12/flash_qla_tl --out "$OUT/bar" 2>&1 | grep -v INFO | tee "$OUT/bar.log" | tail -20 ;;
-    4) timeout 200 ncu --clock-control none --section WarpStateStats --section SourceCounters --page source --csv \
-         --print-source sass -k regex:chunk_forward --launch-count 1 --launch-skip 2 \
-         python benchmarks/profile_kernels.py --l2norm 0 --heads 16x32 --lengths 8192x4 --package .ab/v12/flash_qla_tl \
-         > "$OUT/ncu-fwd-v12.csv" 2> "$OUT/ncu-fwd-v12.err"; echo "rc $?"; tail -3 "$OUT/ncu-fwd-v12.err"
-       python benchmarks/ncu_hotspots.py "$OUT/ncu-fwd-v12.csv" --phases 2>&1 | tee "$OUT/ncu-fwd-phases-v12.log" | head -70
-       xz -9 "$OUT/ncu-fwd-v12.csv" ;;
+    4) NCU_PHASES=v12 NCU_PROBLEM="--l2norm 0 --heads 16x32 --lengths 8192x4 --package .ab/v12/flash_qla_tl" \
+         bash scripts/device_run.sh ncusrc ;;
     5) # v12's programs run by sanitize-v12-s52.py (every length class, both modes and dtypes, the fallback): once
        # plain (outputs against float64), then the three tools side by side on its chunk_forward
-       (cd .ab/v12 && export PYTHONPATH=$PWD:$PYTHONPATH && S=../../benchmarks/results/sanitize-v12-s52.py
-        timeout 120 python -P $S 2>&1 | grep -v INFO | tail -6
-        for tool in memcheck racecheck synccheck; do
-          ( timeout 400 compute-sanitizer --tool $tool --error-exitcode 1 --target-processes application-only \
-              --kernel-name regex=chunk_forward python -P $S > "$OUT/sanitize-v12-$tool.log" 2>&1
-            echo $? > "/tmp/sanitize-$tool.rc" ) &
-        done
-        wait)
-       for tool in memcheck racecheck synccheck; do
-         echo "$tool: exit $(cat /tmp/sanitize-$tool.rc)"
-         grep -v INFO "$OUT/sanitize-v12-$tool.log" | grep -i "error summary\|hazard\|relative\|worst" | head -12
-       done ;;
+       OUT=$OUT/v12 TEST_PACKAGE=.ab/v12/flash_qla_tl SANITIZE_SCRIPT=benchmarks/results/sanitize-v12-s52.py \
+         SANITIZE_KERNEL=chunk_forward bash scripts/device_run.sh sanitize ;;
   esac
 done
 echo "=== done ($(date +%T))"

@@ -1,21 +1,24 @@
-"""Session 52: the calls compute-sanitizer watches for v12 (device-run-s52.sh step 5), from the tree's directory with
-the tree first on PYTHONPATH and FQLA_SOLVE_PERIOD=1: the output pass at whole heads solving every chunk itself,
-on packed sequences of every length class (empty, one token, short, whole chunks, a chunk and one), both modes,
-both dtypes, and the TF32 fallback (tokens that expand).  Each output is checked against float64 too, so that a
-tool's timing that changes a result shows.
+"""Session 52: the calls compute-sanitizer watches for v12 (device-run-s52.sh step 5, through device_run.sh's
+sanitize with TEST_PACKAGE=.ab/v12/flash_qla_tl and FQLA_SOLVE_PERIOD=1): the output pass at whole heads solving
+every chunk itself, on packed sequences of every length class (empty, one token, short, whole chunks, a chunk and
+one), both modes, both dtypes, and the TF32 fallback (tokens that expand).  Each output is checked against float64
+too, so that a tool's timing that changes a result shows.
 
-    (cd .ab/v12 && PYTHONPATH=$PWD FQLA_SOLVE_PERIOD=1 python -P ../../benchmarks/results/sanitize-v12-s52.py)
+    TEST_PACKAGE=.ab/v12/flash_qla_tl SANITIZE_SCRIPT=benchmarks/results/sanitize-v12-s52.py bash scripts/device_run.sh sanitize
 """
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path.cwd() / "tests"))
+import flash_qla_tl  # the candidate's package, first on PYTHONPATH
+
+sys.path.insert(0, str(Path(flash_qla_tl.__file__).resolve().parents[1] / "tests"))  # the candidate's helpers
 from helpers import hopper_inputs, rel_rms  # noqa: E402
 
 from flash_qla_tl import hopper_forward, reference  # noqa: E402
 
+print(f"flash_qla_tl from {Path(flash_qla_tl.__file__).parent}")
 assert hopper_forward.SOLVE_PERIOD == 1, "run with FQLA_SOLVE_PERIOD=1"
 cases = [(torch.bfloat16, False, "normal", 1.0), (torch.bfloat16, True, "none", 1.0), (torch.float16, False, "strong", 1.0),
          (torch.bfloat16, False, "strong", 2.0)]  # the last: keys of norm ~1.25 and beta x 2, the fallback
